@@ -1,0 +1,227 @@
+//! The routed-experts swap point: [`RoutedExperts`] and its dense and INT4 implementations.
+
+use candle::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, D};
+
+use crate::kernels::{cpu, RoutePlan};
+use crate::pack::{DenseExpert, ExpertLayout, LayerPack};
+use crate::QmoeError;
+
+/// Computes `Σ_j weights[t, j] · expert_{ids[t, j]}(xs[t])` for every token.
+///
+/// `xs` is `[T, H]`, `expert_ids` is `[T, k]` (`u32`), `weights` is `[T, k]` (`f32`); the result
+/// is `[T, H]` in the dtype of `xs`. [`crate::SparseMoe`] does the routing and calls this.
+pub trait RoutedExperts: Send + Sync {
+    /// Number of routed experts.
+    fn num_experts(&self) -> usize;
+    /// Model hidden size.
+    fn hidden_size(&self) -> usize;
+    /// The weighted sum of the chosen experts' outputs.
+    fn forward(&self, xs: &Tensor, expert_ids: &Tensor, weights: &Tensor)
+        -> candle::Result<Tensor>;
+}
+
+/// Checks the shapes of a routed call and returns `(tokens, top_k)`.
+fn check_call(
+    xs: &Tensor,
+    expert_ids: &Tensor,
+    weights: &Tensor,
+    hidden: usize,
+) -> candle::Result<(usize, usize)> {
+    let (t, h) = xs.dims2()?;
+    let (t2, k) = expert_ids.dims2()?;
+    if h != hidden || t2 != t || weights.dims() != [t, k] {
+        return Err(QmoeError::Config(format!(
+            "routed experts got xs {:?}, expert_ids {:?}, weights {:?}; expected [T, {hidden}], [T, k], [T, k]",
+            xs.dims(),
+            expert_ids.dims(),
+            weights.dims()
+        ))
+        .into());
+    }
+    Ok((t, k))
+}
+
+/// The oracle: each expert as dense Candle matmuls in the checkpoint's dtype.
+#[derive(Clone, Debug)]
+pub struct DenseExperts {
+    experts: Vec<DenseExpert>,
+    hidden: usize,
+}
+
+impl DenseExperts {
+    /// Wraps per-expert weights (`gate`/`up` `[I, H]`, `down` `[H, I]`), checking shapes.
+    pub fn new(experts: Vec<DenseExpert>) -> candle::Result<Self> {
+        let first = experts
+            .first()
+            .ok_or_else(|| QmoeError::Config("zero experts".into()))?;
+        let (i, h) = first.gate.dims2()?;
+        for (e, x) in experts.iter().enumerate() {
+            for (name, t, want) in [
+                ("gate_proj", &x.gate, [i, h]),
+                ("up_proj", &x.up, [i, h]),
+                ("down_proj", &x.down, [h, i]),
+            ] {
+                if t.dims() != want {
+                    return Err(QmoeError::Shape {
+                        name: format!("experts.{e}.{name}.weight"),
+                        got: t.dims().to_vec(),
+                        expected: want.to_vec(),
+                    }
+                    .into());
+                }
+            }
+        }
+        Ok(Self { experts, hidden: h })
+    }
+
+    /// The experts' weights.
+    pub fn experts(&self) -> &[DenseExpert] {
+        &self.experts
+    }
+}
+
+impl RoutedExperts for DenseExperts {
+    fn num_experts(&self) -> usize {
+        self.experts.len()
+    }
+    fn hidden_size(&self) -> usize {
+        self.hidden
+    }
+    fn forward(
+        &self,
+        xs: &Tensor,
+        expert_ids: &Tensor,
+        weights: &Tensor,
+    ) -> candle::Result<Tensor> {
+        let (_, k) = check_call(xs, expert_ids, weights, self.hidden)?;
+        let plan = RoutePlan::new(
+            &expert_ids
+                .to_dtype(DType::U32)?
+                .flatten_all()?
+                .to_vec1::<u32>()?,
+            k,
+            self.experts.len(),
+        )?;
+        let dtype = self.experts[0].gate.dtype();
+        let x = xs.to_dtype(dtype)?;
+        // Transformers casts the routing weights to the activations' dtype before the product.
+        let flat_w = weights
+            .to_dtype(xs.dtype())?
+            .to_dtype(dtype)?
+            .flatten_all()?;
+        let mut out = x.zeros_like()?;
+        for (e, slots) in &plan.groups {
+            let ex = &self.experts[*e];
+            let tokens: Vec<u32> = slots.iter().map(|&s| (s / k) as u32).collect();
+            let slots: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
+            let tok = Tensor::new(tokens.as_slice(), xs.device())?;
+            let xe = x.index_select(&tok, 0)?;
+            let gate = candle_nn::ops::silu(&xe.matmul(&ex.gate.t()?)?)?;
+            let hidden = (gate * xe.matmul(&ex.up.t()?)?)?;
+            let ye = hidden.matmul(&ex.down.t()?)?;
+            let we = flat_w.index_select(&Tensor::new(slots.as_slice(), xs.device())?, 0)?;
+            let ye = ye.broadcast_mul(&we.unsqueeze(D::Minus1)?)?;
+            out = out.index_add(&tok, &ye, 0)?;
+        }
+        out.to_dtype(xs.dtype())
+    }
+}
+
+/// Routed experts computed by the fused W4A16 kernels straight from a [`LayerPack`].
+#[derive(Clone, Debug)]
+pub struct Int4Experts {
+    pack: LayerPack,
+    isa: cpu::CpuIsa,
+}
+
+impl Int4Experts {
+    /// Uses the best CPU instruction set available.
+    pub fn new(pack: LayerPack) -> Self {
+        Self::with_isa(pack, cpu::CpuIsa::detect())
+    }
+
+    /// Forces a CPU instruction set (for tests and benchmarks); falls back to the detected one
+    /// when `isa` is not available on this CPU.
+    pub fn with_isa(pack: LayerPack, isa: cpu::CpuIsa) -> Self {
+        let isa = if isa.is_available() {
+            isa
+        } else {
+            cpu::CpuIsa::detect()
+        };
+        Self { pack, isa }
+    }
+
+    /// The packed experts.
+    pub fn pack(&self) -> &LayerPack {
+        &self.pack
+    }
+
+    /// The slab layout.
+    pub fn layout(&self) -> ExpertLayout {
+        self.pack.layout()
+    }
+}
+
+impl RoutedExperts for Int4Experts {
+    fn num_experts(&self) -> usize {
+        self.pack.num_experts()
+    }
+    fn hidden_size(&self) -> usize {
+        self.pack.layout().hidden
+    }
+    fn forward(
+        &self,
+        xs: &Tensor,
+        expert_ids: &Tensor,
+        weights: &Tensor,
+    ) -> candle::Result<Tensor> {
+        check_call(xs, expert_ids, weights, self.hidden_size())?;
+        let x = xs.to_dtype(DType::F32)?.contiguous()?;
+        let ids = expert_ids.to_dtype(DType::U32)?.contiguous()?;
+        let w = weights.to_dtype(DType::F32)?.contiguous()?;
+        x.apply_op3_no_bwd(&ids, &w, self)?.to_dtype(xs.dtype())
+    }
+}
+
+fn contiguous_slice<'a, T: candle::WithDType>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    what: &str,
+) -> candle::Result<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
+        None => candle::bail!("int4 routed experts: {what} must be contiguous"),
+    }
+}
+
+impl CustomOp3 for Int4Experts {
+    fn name(&self) -> &'static str {
+        "qmoe-int4-routed-experts"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle::Result<(CpuStorage, Shape)> {
+        let xs = contiguous_slice::<f32>(s1, l1, "xs")?;
+        let ids = contiguous_slice::<u32>(s2, l2, "expert_ids")?;
+        let w = contiguous_slice::<f32>(s3, l3, "weights")?;
+        let (tokens, k) = l2.shape().dims2()?;
+        let plan = RoutePlan::new(ids, k, self.pack.num_experts())?;
+        debug_assert_eq!(plan.tokens, tokens);
+        let out = cpu::routed_forward(
+            self.isa,
+            self.pack.layout(),
+            &|e| self.pack.slab(e).bytes,
+            &plan,
+            xs,
+            w,
+        );
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}

@@ -1,0 +1,66 @@
+//! Fused top-k W4A16 compute for routed experts, straight from the INT4 pack.
+//!
+//! [`cpu`] holds the SIMD + multithreaded CPU kernel. [`RoutePlan`] groups the routed
+//! (token, slot) pairs by expert so that each expert's bytes are read once per call.
+
+pub mod cpu;
+
+use crate::QmoeError;
+
+/// The routed rows of one call, grouped by expert in ascending expert order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RoutePlan {
+    /// Top-k per token.
+    pub top_k: usize,
+    /// Tokens in the call.
+    pub tokens: usize,
+    /// `(expert, slots)`: each slot is `token * top_k + j` for the j-th choice of that token.
+    pub groups: Vec<(usize, Vec<usize>)>,
+}
+
+impl RoutePlan {
+    /// Groups `expert_ids [tokens, top_k]` (row-major) by expert, checking every id is below
+    /// `num_experts` and that no token picks the same expert twice.
+    pub fn new(expert_ids: &[u32], top_k: usize, num_experts: usize) -> Result<Self, QmoeError> {
+        if top_k == 0 || !expert_ids.len().is_multiple_of(top_k) {
+            return Err(QmoeError::Config(format!(
+                "{} expert ids do not form rows of top-k = {top_k}",
+                expert_ids.len()
+            )));
+        }
+        let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); num_experts];
+        for (slot, &e) in expert_ids.iter().enumerate() {
+            let e = e as usize;
+            if e >= num_experts {
+                return Err(QmoeError::Config(format!(
+                    "expert id {e} at token {} is out of range for {num_experts} experts",
+                    slot / top_k
+                )));
+            }
+            if let Some(&prev) = by_expert[e].last() {
+                if prev / top_k == slot / top_k {
+                    return Err(QmoeError::Config(format!(
+                        "token {} routes to expert {e} twice",
+                        slot / top_k
+                    )));
+                }
+            }
+            by_expert[e].push(slot);
+        }
+        let groups = by_expert
+            .into_iter()
+            .enumerate()
+            .filter(|(_, s)| !s.is_empty())
+            .collect();
+        Ok(Self {
+            top_k,
+            tokens: expert_ids.len() / top_k,
+            groups,
+        })
+    }
+
+    /// The distinct experts used, ascending.
+    pub fn experts(&self) -> impl Iterator<Item = usize> + '_ {
+        self.groups.iter().map(|(e, _)| *e)
+    }
+}

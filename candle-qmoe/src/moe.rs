@@ -1,0 +1,181 @@
+//! [`SparseMoe`]: the replacement MoE block shared by every model port.
+//!
+//! Router `Linear` → softmax in F32 → top-k → optional renormalisation (`norm_topk_prob`) →
+//! [`RoutedExperts`] → plus an optional sigmoid-gated shared expert (Qwen2-MoE). This is the
+//! arithmetic of transformers' `OlmoeSparseMoeBlock` and `Qwen2MoeSparseMoeBlock`.
+
+use std::sync::Arc;
+
+use candle::{DType, Module, Tensor, D};
+use candle_nn::{linear_no_bias, Linear, VarBuilder};
+
+use crate::mlp::GatedMlp;
+use crate::pack::DenseExpert;
+use crate::{QmoeError, RoutedExperts};
+
+/// The routing decision for a batch of tokens.
+#[derive(Clone, Debug)]
+pub struct Routing {
+    /// Router logits `[N, E]` in the model dtype.
+    pub logits: Tensor,
+    /// Chosen experts `[N, k]` (`u32`), highest probability first.
+    pub expert_ids: Tensor,
+    /// Their weights `[N, k]` (`f32`), renormalised when `norm_topk_prob`.
+    pub weights: Tensor,
+}
+
+/// The shared expert of Qwen2-MoE: a gated MLP scaled by `sigmoid(shared_expert_gate(x))`.
+#[derive(Clone, Debug)]
+pub struct SharedExpert {
+    mlp: GatedMlp,
+    gate: Linear,
+}
+
+impl SharedExpert {
+    /// Loads `shared_expert.{gate,up,down}_proj` and `shared_expert_gate` from the MoE block's
+    /// VarBuilder.
+    pub fn new(hidden: usize, intermediate: usize, vb: VarBuilder) -> candle::Result<Self> {
+        Ok(Self {
+            mlp: GatedMlp::new(hidden, intermediate, vb.pp("shared_expert"))?,
+            gate: linear_no_bias(hidden, 1, vb.pp("shared_expert_gate"))?,
+        })
+    }
+}
+
+impl Module for SharedExpert {
+    fn forward(&self, xs: &Tensor) -> candle::Result<Tensor> {
+        let g = candle_nn::ops::sigmoid(&self.gate.forward(xs)?)?;
+        self.mlp.forward(xs)?.broadcast_mul(&g)
+    }
+}
+
+/// A sparse MoE block with a swappable routed-experts backend.
+#[derive(Clone)]
+pub struct SparseMoe {
+    router: Linear,
+    experts: Arc<dyn RoutedExperts>,
+    top_k: usize,
+    norm_topk_prob: bool,
+    shared: Option<SharedExpert>,
+}
+
+impl std::fmt::Debug for SparseMoe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SparseMoe")
+            .field("num_experts", &self.experts.num_experts())
+            .field("top_k", &self.top_k)
+            .field("norm_topk_prob", &self.norm_topk_prob)
+            .field("shared_expert", &self.shared.is_some())
+            .finish()
+    }
+}
+
+impl SparseMoe {
+    /// Builds the block, checking `1 ≤ top_k ≤ experts` and the router's shape.
+    pub fn new(
+        router: Linear,
+        experts: Arc<dyn RoutedExperts>,
+        top_k: usize,
+        norm_topk_prob: bool,
+        shared: Option<SharedExpert>,
+    ) -> candle::Result<Self> {
+        let e = experts.num_experts();
+        if top_k == 0 || top_k > e {
+            return Err(QmoeError::Config(format!("top-k = {top_k} with {e} experts")).into());
+        }
+        let want = [e, experts.hidden_size()];
+        if router.weight().dims() != want {
+            return Err(QmoeError::Shape {
+                name: "router (mlp.gate.weight)".into(),
+                got: router.weight().dims().to_vec(),
+                expected: want.to_vec(),
+            }
+            .into());
+        }
+        Ok(Self {
+            router,
+            experts,
+            top_k,
+            norm_topk_prob,
+            shared,
+        })
+    }
+
+    /// Loads the router `gate` `[E, H]` from the MoE block's VarBuilder.
+    pub fn load_router(
+        hidden: usize,
+        num_experts: usize,
+        vb: VarBuilder,
+    ) -> candle::Result<Linear> {
+        linear_no_bias(hidden, num_experts, vb.pp("gate"))
+    }
+
+    /// Loads the dense weights of experts `experts.{e}.{gate,up,down}_proj` from the MoE block's
+    /// VarBuilder.
+    pub fn load_dense_experts(
+        hidden: usize,
+        intermediate: usize,
+        num_experts: usize,
+        vb: VarBuilder,
+    ) -> candle::Result<Vec<DenseExpert>> {
+        (0..num_experts)
+            .map(|e| {
+                let vb = vb.pp("experts").pp(e);
+                Ok(DenseExpert {
+                    gate: vb.get((intermediate, hidden), "gate_proj.weight")?,
+                    up: vb.get((intermediate, hidden), "up_proj.weight")?,
+                    down: vb.get((hidden, intermediate), "down_proj.weight")?,
+                })
+            })
+            .collect()
+    }
+
+    /// The routed-experts backend.
+    pub fn experts(&self) -> &Arc<dyn RoutedExperts> {
+        &self.experts
+    }
+
+    /// Router logits, top-k experts and their weights for `xs [N, H]`.
+    pub fn route(&self, xs: &Tensor) -> candle::Result<Routing> {
+        let logits = self.router.forward(xs)?;
+        let probs = candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
+        let expert_ids = probs
+            .arg_sort_last_dim(false)?
+            .narrow(D::Minus1, 0, self.top_k)?
+            .contiguous()?;
+        let mut weights = probs.gather(&expert_ids, D::Minus1)?;
+        if self.norm_topk_prob {
+            weights = weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?;
+        }
+        Ok(Routing {
+            logits,
+            expert_ids,
+            weights,
+        })
+    }
+
+    /// The block's output for `xs [..., H]` together with its routing.
+    pub fn forward_with_routing(&self, xs: &Tensor) -> candle::Result<(Tensor, Routing)> {
+        let dims = xs.dims().to_vec();
+        let flat = xs.flatten_to(dims.len().saturating_sub(2))?;
+        let flat = if dims.len() == 1 {
+            flat.unsqueeze(0)?
+        } else {
+            flat
+        };
+        let routing = self.route(&flat)?;
+        let mut out = self
+            .experts
+            .forward(&flat, &routing.expert_ids, &routing.weights)?;
+        if let Some(shared) = &self.shared {
+            out = (out + shared.forward(&flat)?)?;
+        }
+        Ok((out.reshape(dims)?, routing))
+    }
+}
+
+impl Module for SparseMoe {
+    fn forward(&self, xs: &Tensor) -> candle::Result<Tensor> {
+        Ok(self.forward_with_routing(xs)?.0)
+    }
+}

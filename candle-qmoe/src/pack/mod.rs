@@ -1,0 +1,244 @@
+//! The INT4 expert pack: quantization, layout, and per-layer slab storage.
+//!
+//! Only routed experts are packed. Each (layer, expert) is one contiguous slab holding the
+//! stacked gate/up projection, the down projection and their FP16 group scales; see [`layout`]
+//! for the exact bytes. [`LayerPack`] owns the slabs of one layer.
+
+pub mod layout;
+pub mod quant;
+
+use candle::{DType, Tensor};
+use half::f16;
+use rayon::prelude::*;
+
+pub use layout::{ExpertLayout, QMatrixLayout, SlabOffsets};
+pub use quant::{dequantize_matrix, quantize_matrix, QuantizedMatrix, ScaleSearch};
+
+use crate::QmoeError;
+
+/// Columns sharing one FP16 scale: 32, 64, 128 (default) or 256.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GroupSize(usize);
+
+impl GroupSize {
+    /// The supported sizes.
+    pub const SUPPORTED: [usize; 4] = [32, 64, 128, 256];
+
+    /// Validates a group size.
+    pub fn new(size: usize) -> Result<Self, QmoeError> {
+        if Self::SUPPORTED.contains(&size) {
+            Ok(Self(size))
+        } else {
+            Err(QmoeError::Config(format!(
+                "group size {size} is not supported (use one of {:?})",
+                Self::SUPPORTED
+            )))
+        }
+    }
+    /// The size as a number.
+    pub fn get(self) -> usize {
+        self.0
+    }
+}
+
+impl Default for GroupSize {
+    fn default() -> Self {
+        Self(128)
+    }
+}
+
+/// Host view of one expert's dense weights, in PyTorch orientation.
+#[derive(Clone, Debug)]
+pub struct DenseExpert {
+    /// `gate_proj.weight [I, H]`.
+    pub gate: Tensor,
+    /// `up_proj.weight [I, H]`.
+    pub up: Tensor,
+    /// `down_proj.weight [H, I]`.
+    pub down: Tensor,
+}
+
+fn matrix_f32(name: &str, t: &Tensor, expected: [usize; 2]) -> candle::Result<Vec<f32>> {
+    if t.dims() != expected {
+        return Err(QmoeError::Shape {
+            name: name.to_string(),
+            got: t.dims().to_vec(),
+            expected: expected.to_vec(),
+        }
+        .into());
+    }
+    t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+}
+
+/// Quantizes one expert into a slab of `layout.slab_bytes()` bytes. `name` prefixes the tensor
+/// names used in errors (e.g. `model.layers.3.mlp.experts.7`).
+pub fn quantize_expert(
+    name: &str,
+    expert: &DenseExpert,
+    layout: ExpertLayout,
+    search: ScaleSearch,
+) -> candle::Result<Vec<u8>> {
+    let (h, i) = (layout.hidden, layout.intermediate);
+    let mut gate_up = matrix_f32(&format!("{name}.gate_proj.weight"), &expert.gate, [i, h])?;
+    gate_up.extend(matrix_f32(
+        &format!("{name}.up_proj.weight"),
+        &expert.up,
+        [i, h],
+    )?);
+    let down = matrix_f32(&format!("{name}.down_proj.weight"), &expert.down, [h, i])?;
+    let gu = quantize_matrix(
+        &format!("{name}.gate_up"),
+        &gate_up,
+        layout.gate_up(),
+        search,
+    )?;
+    let dn = quantize_matrix(
+        &format!("{name}.down_proj.weight"),
+        &down,
+        layout.down(),
+        search,
+    )?;
+    let o = layout.offsets();
+    let mut slab = vec![0u8; o.total];
+    slab[o.gate_up_weights..o.gate_up_weights + gu.weights.len()].copy_from_slice(&gu.weights);
+    slab[o.down_weights..o.down_weights + dn.weights.len()].copy_from_slice(&dn.weights);
+    write_scales(&mut slab[o.gate_up_scales..], &gu.scales);
+    write_scales(&mut slab[o.down_scales..], &dn.scales);
+    Ok(slab)
+}
+
+fn write_scales(dst: &mut [u8], scales: &[f16]) {
+    for (d, s) in dst.chunks_exact_mut(2).zip(scales) {
+        d.copy_from_slice(&s.to_le_bytes());
+    }
+}
+
+/// Reads FP16 scales from little-endian slab bytes.
+pub fn read_scales(src: &[u8], count: usize) -> Vec<f16> {
+    src[..2 * count]
+        .chunks_exact(2)
+        .map(|b| f16::from_le_bytes([b[0], b[1]]))
+        .collect()
+}
+
+/// Borrowed view of one slab, split into its regions.
+#[derive(Clone, Copy, Debug)]
+pub struct SlabView<'a> {
+    /// The slab layout.
+    pub layout: ExpertLayout,
+    /// The whole slab.
+    pub bytes: &'a [u8],
+}
+
+impl<'a> SlabView<'a> {
+    /// Packed gate/up weights `[2I, H/2 padded]`.
+    pub fn gate_up_weights(&self) -> &'a [u8] {
+        let o = self.layout.offsets();
+        &self.bytes[o.gate_up_weights..o.gate_up_weights + self.layout.gate_up().weight_bytes()]
+    }
+    /// Packed down weights `[H, I/2 padded]`.
+    pub fn down_weights(&self) -> &'a [u8] {
+        let o = self.layout.offsets();
+        &self.bytes[o.down_weights..o.down_weights + self.layout.down().weight_bytes()]
+    }
+    /// Raw little-endian FP16 gate/up scales.
+    pub fn gate_up_scales(&self) -> &'a [u8] {
+        let o = self.layout.offsets();
+        &self.bytes[o.gate_up_scales..o.gate_up_scales + 2 * self.layout.gate_up().scale_count()]
+    }
+    /// Raw little-endian FP16 down scales.
+    pub fn down_scales(&self) -> &'a [u8] {
+        let o = self.layout.offsets();
+        &self.bytes[o.down_scales..o.down_scales + 2 * self.layout.down().scale_count()]
+    }
+    /// Dequantizes back to dense F32 `(gate [I,H], up [I,H], down [H,I])`, row-major.
+    pub fn dequantize(&self) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let (gu, dn) = (self.layout.gate_up(), self.layout.down());
+        let mut gate = dequantize_matrix(
+            gu,
+            self.gate_up_weights(),
+            &read_scales(self.gate_up_scales(), gu.scale_count()),
+        );
+        let up = gate.split_off(self.layout.intermediate * self.layout.hidden);
+        let down = dequantize_matrix(
+            dn,
+            self.down_weights(),
+            &read_scales(self.down_scales(), dn.scale_count()),
+        );
+        (gate, up, down)
+    }
+}
+
+/// The packed routed experts of one MoE layer, held in host memory.
+#[derive(Clone, Debug)]
+pub struct LayerPack {
+    layout: ExpertLayout,
+    num_experts: usize,
+    bytes: std::sync::Arc<[u8]>,
+}
+
+impl LayerPack {
+    /// Quantizes the experts of one layer (in parallel). `name` prefixes tensor names in errors.
+    pub fn quantize(
+        name: &str,
+        experts: &[DenseExpert],
+        layout: ExpertLayout,
+        search: ScaleSearch,
+    ) -> candle::Result<Self> {
+        if experts.is_empty() {
+            return Err(QmoeError::Config(format!("`{name}` has zero experts")).into());
+        }
+        let slabs = experts
+            .par_iter()
+            .enumerate()
+            .map(|(e, x)| quantize_expert(&format!("{name}.experts.{e}"), x, layout, search))
+            .collect::<candle::Result<Vec<_>>>()?;
+        Ok(Self {
+            layout,
+            num_experts: experts.len(),
+            bytes: slabs.concat().into(),
+        })
+    }
+
+    /// Wraps already packed bytes (`num_experts` slabs back to back), checking their size.
+    pub fn from_bytes(
+        layout: ExpertLayout,
+        num_experts: usize,
+        bytes: std::sync::Arc<[u8]>,
+    ) -> Result<Self, QmoeError> {
+        let want = num_experts * layout.slab_bytes();
+        if num_experts == 0 || bytes.len() != want {
+            return Err(QmoeError::Pack(format!(
+                "layer holds {} bytes, expected {num_experts} experts × {} = {want}",
+                bytes.len(),
+                layout.slab_bytes()
+            )));
+        }
+        Ok(Self {
+            layout,
+            num_experts,
+            bytes,
+        })
+    }
+
+    /// The slab layout.
+    pub fn layout(&self) -> ExpertLayout {
+        self.layout
+    }
+    /// Number of routed experts.
+    pub fn num_experts(&self) -> usize {
+        self.num_experts
+    }
+    /// All slabs, back to back.
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+    /// The slab of expert `e`.
+    pub fn slab(&self, e: usize) -> SlabView<'_> {
+        let n = self.layout.slab_bytes();
+        SlabView {
+            layout: self.layout,
+            bytes: &self.bytes[e * n..(e + 1) * n],
+        }
+    }
+}

@@ -1,0 +1,126 @@
+//! Helpers shared by the integration tests: deterministic random data and f64 references.
+#![allow(dead_code)]
+
+use candle::{Device, Tensor};
+use candle_qmoe::pack::DenseExpert;
+
+/// Deterministic xorshift generator of uniform and normal-ish values.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9E3779B97F4A7C15) | 1)
+    }
+    pub fn uniform(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 11) as f32 / (1u64 << 53) as f32
+    }
+    /// Approximately normal (sum of 4 uniforms), scaled by `std`.
+    pub fn normal(&mut self, std: f32) -> f32 {
+        let s: f32 = (0..4).map(|_| self.uniform()).sum::<f32>() - 2.0;
+        s * std * 1.732
+    }
+    pub fn normals(&mut self, n: usize, std: f32) -> Vec<f32> {
+        (0..n).map(|_| self.normal(std)).collect()
+    }
+}
+
+/// Random F32 experts with weight std `0.02` (an LLM's typical init scale).
+pub fn random_experts(rng: &mut Rng, n: usize, hidden: usize, inter: usize) -> Vec<DenseExpert> {
+    let dev = Device::Cpu;
+    (0..n)
+        .map(|_| DenseExpert {
+            gate: Tensor::from_vec(rng.normals(inter * hidden, 0.02), (inter, hidden), &dev)
+                .unwrap(),
+            up: Tensor::from_vec(rng.normals(inter * hidden, 0.02), (inter, hidden), &dev).unwrap(),
+            down: Tensor::from_vec(rng.normals(hidden * inter, 0.02), (hidden, inter), &dev)
+                .unwrap(),
+        })
+        .collect()
+}
+
+/// Random routing: `k` distinct experts per token and positive weights.
+pub fn random_routing(
+    rng: &mut Rng,
+    tokens: usize,
+    k: usize,
+    experts: usize,
+) -> (Vec<u32>, Vec<f32>) {
+    let mut ids = Vec::with_capacity(tokens * k);
+    let mut w = Vec::with_capacity(tokens * k);
+    for _ in 0..tokens {
+        let mut chosen: Vec<u32> = Vec::new();
+        while chosen.len() < k {
+            let e = (rng.uniform() * experts as f32) as u32 % experts as u32;
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        ids.extend(chosen);
+        w.extend((0..k).map(|_| 0.05 + rng.uniform()));
+    }
+    (ids, w)
+}
+
+fn to_f64(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(candle::DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// The routed-experts sum computed in f64 by plain loops.
+pub fn reference_f64(
+    experts: &[DenseExpert],
+    xs: &[f32],
+    ids: &[u32],
+    w: &[f32],
+    k: usize,
+) -> Vec<f64> {
+    let (inter, hidden) = experts[0].gate.dims2().unwrap();
+    let tokens = xs.len() / hidden;
+    let dense: Vec<_> = experts
+        .iter()
+        .map(|e| (to_f64(&e.gate), to_f64(&e.up), to_f64(&e.down)))
+        .collect();
+    let mut out = vec![0f64; tokens * hidden];
+    for t in 0..tokens {
+        let x = &xs[t * hidden..(t + 1) * hidden];
+        for j in 0..k {
+            let (g, u, d) = &dense[ids[t * k + j] as usize];
+            let h: Vec<f64> = (0..inter)
+                .map(|i| {
+                    let dot = |m: &[f64]| -> f64 {
+                        m[i * hidden..(i + 1) * hidden]
+                            .iter()
+                            .zip(x)
+                            .map(|(a, &b)| a * b as f64)
+                            .sum()
+                    };
+                    let gv = dot(g);
+                    gv / (1.0 + (-gv).exp()) * dot(u)
+                })
+                .collect();
+            for n in 0..hidden {
+                let y: f64 = d[n * inter..(n + 1) * inter]
+                    .iter()
+                    .zip(&h)
+                    .map(|(a, b)| a * b)
+                    .sum();
+                out[t * hidden + n] += w[t * k + j] as f64 * y;
+            }
+        }
+    }
+    out
+}
+
+/// `‖a − b‖ / ‖b‖`.
+pub fn rel_err(a: &[f32], b: &[f64]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| y * y).sum();
+    (num / den).sqrt()
+}

@@ -1,0 +1,190 @@
+//! The INT4 CPU kernel and the dense oracle against an f64 reference on random inputs.
+
+mod common;
+
+use candle::{Device, Tensor};
+use candle_qmoe::kernels::cpu::CpuIsa;
+use candle_qmoe::pack::{DenseExpert, ExpertLayout, GroupSize, LayerPack, ScaleSearch};
+use candle_qmoe::{DenseExperts, Int4Experts, RoutedExperts};
+use common::{random_experts, random_routing, reference_f64, rel_err, Rng};
+
+struct Case {
+    hidden: usize,
+    inter: usize,
+    experts: usize,
+    k: usize,
+    tokens: usize,
+    group: usize,
+}
+
+fn dequantized(pack: &LayerPack) -> Vec<DenseExpert> {
+    let l = pack.layout();
+    (0..pack.num_experts())
+        .map(|e| {
+            let (g, u, d) = pack.slab(e).dequantize();
+            let dev = Device::Cpu;
+            DenseExpert {
+                gate: Tensor::from_vec(g, (l.intermediate, l.hidden), &dev).unwrap(),
+                up: Tensor::from_vec(u, (l.intermediate, l.hidden), &dev).unwrap(),
+                down: Tensor::from_vec(d, (l.hidden, l.intermediate), &dev).unwrap(),
+            }
+        })
+        .collect()
+}
+
+fn run(case: &Case, seed: u64) {
+    let mut rng = Rng::new(seed);
+    let experts = random_experts(&mut rng, case.experts, case.hidden, case.inter);
+    let layout = ExpertLayout {
+        hidden: case.hidden,
+        intermediate: case.inter,
+        group_size: GroupSize::new(case.group).unwrap(),
+    };
+    let pack = LayerPack::quantize("layer", &experts, layout, ScaleSearch::Mse).unwrap();
+    let deq = dequantized(&pack);
+    // Activations of RMSNorm-ed scale (~1) with a few outliers, as hidden states have.
+    let mut xs = rng.normals(case.tokens * case.hidden, 1.0);
+    for v in xs.iter_mut().step_by(61) {
+        *v *= 8.0;
+    }
+    let (ids, w) = random_routing(&mut rng, case.tokens, case.k, case.experts);
+    let want = reference_f64(&deq, &xs, &ids, &w, case.k);
+    let dev = Device::Cpu;
+    let xs_t = Tensor::from_vec(xs.clone(), (case.tokens, case.hidden), &dev).unwrap();
+    let ids_t = Tensor::from_vec(ids.clone(), (case.tokens, case.k), &dev).unwrap();
+    let w_t = Tensor::from_vec(w.clone(), (case.tokens, case.k), &dev).unwrap();
+    let to_vec = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+
+    // The dense oracle in F32: only F32 rounding (~1e-7 per op, √K growth) separates it from f64.
+    let dense = DenseExperts::new(deq).unwrap();
+    let err = rel_err(&to_vec(dense.forward(&xs_t, &ids_t, &w_t).unwrap()), &want);
+    assert!(err < 1e-5, "dense f32 rel err {err}");
+
+    // INT4 kernel: activations are rounded to i16 per group (≤ 2⁻¹⁶ of the group max, twice:
+    // input and SiLU·up), so the relative error is ~1e-5; 2e-4 leaves a 10× margin.
+    for isa in [CpuIsa::Scalar, CpuIsa::Avx2, CpuIsa::Avx512Vnni] {
+        if !isa.is_available() {
+            eprintln!("skipping {isa:?}: not supported by this CPU");
+            continue;
+        }
+        let int4 = Int4Experts::with_isa(pack.clone(), isa);
+        let got = to_vec(int4.forward(&xs_t, &ids_t, &w_t).unwrap());
+        let err = rel_err(&got, &want);
+        assert!(
+            err < 2e-4,
+            "{isa:?} H{} I{} g{} T{}: rel err {err}",
+            case.hidden,
+            case.inter,
+            case.group,
+            case.tokens
+        );
+        // Bit-identical on a single thread: the summation order is fixed.
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let single = pool.install(|| to_vec(int4.forward(&xs_t, &ids_t, &w_t).unwrap()));
+        assert_eq!(got, single, "{isa:?} differs between thread counts");
+    }
+}
+
+#[test]
+fn int4_kernel_matches_f64_reference_on_edge_shapes() {
+    let cases = [
+        // K not a multiple of the group (1408 = 5.5 × 256), K < group, K = group + 1 chunk.
+        Case {
+            hidden: 256,
+            inter: 176,
+            experts: 6,
+            k: 2,
+            tokens: 5,
+            group: 256,
+        },
+        Case {
+            hidden: 64,
+            inter: 40,
+            experts: 4,
+            k: 4,
+            tokens: 9,
+            group: 128,
+        },
+        Case {
+            hidden: 160,
+            inter: 96,
+            experts: 5,
+            k: 3,
+            tokens: 1,
+            group: 64,
+        },
+        Case {
+            hidden: 96,
+            inter: 33,
+            experts: 3,
+            k: 1,
+            tokens: 7,
+            group: 32,
+        },
+        Case {
+            hidden: 32,
+            inter: 1,
+            experts: 2,
+            k: 2,
+            tokens: 3,
+            group: 32,
+        },
+    ];
+    for (i, c) in cases.iter().enumerate() {
+        run(c, 100 + i as u64);
+    }
+}
+
+#[test]
+fn int4_kernel_matches_reference_at_model_like_width() {
+    // Qwen1.5-MoE's down-projection width (1408) and hidden 512, prefill-sized token count.
+    run(
+        &Case {
+            hidden: 512,
+            inter: 1408,
+            experts: 8,
+            k: 4,
+            tokens: 24,
+            group: 128,
+        },
+        7,
+    );
+}
+
+#[test]
+fn bad_routing_is_a_clear_error() {
+    let mut rng = Rng::new(3);
+    let experts = random_experts(&mut rng, 4, 64, 32);
+    let layout = ExpertLayout {
+        hidden: 64,
+        intermediate: 32,
+        group_size: GroupSize::default(),
+    };
+    let int4 =
+        Int4Experts::new(LayerPack::quantize("l", &experts, layout, ScaleSearch::Rtn).unwrap());
+    let dev = Device::Cpu;
+    let xs = Tensor::ones((2, 64), candle::DType::F32, &dev).unwrap();
+    let w = Tensor::ones((2, 2), candle::DType::F32, &dev).unwrap();
+    let ids = Tensor::new(&[[0u32, 9], [1, 2]], &dev).unwrap();
+    let e = int4.forward(&xs, &ids, &w).unwrap_err().to_string();
+    assert!(e.contains("expert id 9") && e.contains("4 experts"), "{e}");
+    let ids = Tensor::new(&[[0u32, 0], [1, 2]], &dev).unwrap();
+    let e = int4.forward(&xs, &ids, &w).unwrap_err().to_string();
+    assert!(e.contains("twice"), "{e}");
+    let xs = Tensor::ones((2, 65), candle::DType::F32, &dev).unwrap();
+    let e = int4.forward(&xs, &ids, &w).unwrap_err().to_string();
+    assert!(e.contains("[2, 65]"), "{e}");
+    // Mismatched expert shapes name the tensor.
+    let mut bad = random_experts(&mut rng, 2, 64, 32);
+    bad[1].up = Tensor::ones((31, 64), candle::DType::F32, &dev).unwrap();
+    let e = LayerPack::quantize("model.layers.0.mlp", &bad, layout, ScaleSearch::Mse).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("model.layers.0.mlp.experts.1.up_proj.weight"),
+        "{e}"
+    );
+    assert!(GroupSize::new(48).is_err());
+}
