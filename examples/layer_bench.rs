@@ -1,1 +1,241 @@
-fn main() {}
+//! Times one MoE layer's routed experts on the CPU, side by side in one run: the INT4 W4A16
+//! kernel, dense F32 and BF16 Candle matmuls, and Candle's own quantized `QMatMul` (Q4K, Q4_0).
+//! Prints one JSON line (and appends it to `--json PATH` when given).
+//!
+//! ```text
+//! cargo run --release --example layer_bench -- --shape olmoe --tokens 1
+//! ```
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use candle::quantized::GgmlDType;
+use candle::{DType, Device, Tensor};
+use candle_qmoe::kernels::cpu::CpuIsa;
+use candle_qmoe::pack::{DenseExpert, ExpertLayout, GroupSize, LayerPack, ScaleSearch};
+use candle_qmoe::{synthetic, DenseExperts, GgmlExperts, Int4Experts, RoutedExperts};
+use clap::{Parser, ValueEnum};
+use rayon::prelude::*;
+use serde_json::json;
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Shape {
+    /// OLMoE-1B-7B: H 2048, I 1024, 64 experts, top-8.
+    Olmoe,
+    /// Qwen1.5-MoE-A2.7B: H 2048, I 1408, 60 experts, top-4.
+    Qwen,
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "Side-by-side timing of one MoE layer's routed experts on the CPU")]
+struct Args {
+    /// Model shape.
+    #[arg(long, value_enum, default_value = "olmoe")]
+    shape: Shape,
+    /// Tokens per call (1 = decode).
+    #[arg(long, default_value_t = 1)]
+    tokens: usize,
+    /// INT4 group size.
+    #[arg(long, default_value_t = 128)]
+    group_size: usize,
+    /// Timed iterations per backend (round-robin across backends).
+    #[arg(long)]
+    iters: Option<usize>,
+    /// Random seed for weights, activations and routing.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Append the JSON line to this file.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn rel_err(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let d = (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?
+        .sqr()?
+        .sum_all()?;
+    let n = b.to_dtype(DType::F64)?.sqr()?.sum_all()?;
+    Ok((d.to_scalar::<f64>()? / n.to_scalar::<f64>()?).sqrt())
+}
+
+fn dequantized(pack: &LayerPack) -> Result<Vec<DenseExpert>> {
+    let l = pack.layout();
+    (0..pack.num_experts())
+        .map(|e| {
+            let (g, u, d) = pack.slab(e).dequantize();
+            Ok(DenseExpert {
+                gate: Tensor::from_vec(g, (l.intermediate, l.hidden), &Device::Cpu)?,
+                up: Tensor::from_vec(u, (l.intermediate, l.hidden), &Device::Cpu)?,
+                down: Tensor::from_vec(d, (l.hidden, l.intermediate), &Device::Cpu)?,
+            })
+        })
+        .collect()
+}
+
+/// Bytes/s of a parallel read (sum) and a parallel copy over a buffer far larger than caches.
+fn memory_bandwidth() -> (f64, f64) {
+    let n = 64 << 20; // 512 MiB of u64
+    let src: Vec<u64> = (0..n as u64).collect();
+    let mut dst = vec![0u64; n];
+    let (mut read, mut copy) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        let t = Instant::now();
+        let s: u64 = src
+            .par_chunks(1 << 16)
+            .map(|c| c.iter().fold(0u64, |a, &b| a ^ b))
+            .sum();
+        read.push(t.elapsed().as_secs_f64());
+        std::hint::black_box(s);
+        let t = Instant::now();
+        dst.par_chunks_mut(1 << 16)
+            .zip(src.par_chunks(1 << 16))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+        copy.push(t.elapsed().as_secs_f64());
+        std::hint::black_box(&dst);
+    }
+    let bytes = (n * 8) as f64;
+    (
+        bytes / median(&mut read) / 1e9,
+        bytes / median(&mut copy) / 1e9,
+    )
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let (name, hidden, inter, experts, k) = match args.shape {
+        Shape::Olmoe => ("olmoe", 2048, 1024, 64, 8),
+        Shape::Qwen => ("qwen1.5-moe", 2048, 1408, 60, 4),
+    };
+    let t = args.tokens;
+    if t == 0 {
+        bail!("--tokens must be at least 1");
+    }
+    let iters = args.iters.unwrap_or(if t <= 8 { 30 } else { 6 });
+    let layout = ExpertLayout {
+        hidden,
+        intermediate: inter,
+        group_size: GroupSize::new(args.group_size)?,
+    };
+    let dev = Device::Cpu;
+    eprintln!("building {experts} random experts (std 0.02) at H {hidden}, I {inter}…");
+    let dense = synthetic::random_experts(args.seed, experts, hidden, inter, 0.02)?;
+    let t0 = Instant::now();
+    let pack = LayerPack::quantize("layer", &dense, layout, ScaleSearch::Mse)?;
+    let quantize_s = t0.elapsed().as_secs_f64();
+    let rtn = LayerPack::quantize("layer", &dense, layout, ScaleSearch::Rtn)?;
+    eprintln!("quantized in {quantize_s:.1}s; building baselines…");
+    let int4 = Int4Experts::new(pack.clone());
+    let f32_experts = DenseExperts::new(dense.clone())?;
+    let bf16_experts = DenseExperts::new(
+        dense
+            .iter()
+            .map(|x| {
+                Ok(DenseExpert {
+                    gate: x.gate.to_dtype(DType::BF16)?,
+                    up: x.up.to_dtype(DType::BF16)?,
+                    down: x.down.to_dtype(DType::BF16)?,
+                })
+            })
+            .collect::<Result<_>>()?,
+    )?;
+    // Q4K needs K to be a multiple of 256 (Qwen's down projection has K = 1408).
+    let q4k = if inter % 256 == 0 && hidden % 256 == 0 {
+        Some(GgmlExperts::quantize(&dense, GgmlDType::Q4K)?)
+    } else {
+        None
+    };
+    let q4_0 = GgmlExperts::quantize(&dense, GgmlDType::Q4_0)?;
+
+    // Distinct routings, cycled, so that repeated calls do not find the experts in cache.
+    let routings: Vec<(Tensor, Tensor, Tensor)> = (0..8u64)
+        .map(|r| {
+            let seed = args.seed + 1000 * (r + 1);
+            let xs = synthetic::gaussian(seed, t * hidden, 1.0);
+            let (ids, w) = synthetic::random_routing(seed, t, k, experts);
+            Ok((
+                Tensor::from_vec(xs, (t, hidden), &dev)?,
+                Tensor::from_vec(ids, (t, k), &dev)?,
+                Tensor::from_vec(w, (t, k), &dev)?,
+            ))
+        })
+        .collect::<Result<_>>()?;
+
+    // Accuracy on the first routing.
+    let (xs, ids, w) = &routings[0];
+    let deq = DenseExperts::new(dequantized(&pack)?)?;
+    let deq_out = deq.forward(xs, ids, w)?;
+    let exact = f32_experts.forward(xs, ids, w)?;
+    let kernel_rel_err = rel_err(&int4.forward(xs, ids, w)?, &deq_out)?;
+    let quant_rel_err = rel_err(&deq_out, &exact)?;
+    let rtn_out = DenseExperts::new(dequantized(&rtn)?)?.forward(xs, ids, w)?;
+    let rtn_quant_rel_err = rel_err(&rtn_out, &exact)?;
+    drop((deq, rtn));
+
+    let mut backends: Vec<(&str, &dyn RoutedExperts)> = vec![
+        ("int4", &int4),
+        ("dense_f32", &f32_experts),
+        ("dense_bf16", &bf16_experts),
+        ("candle_q4_0", &q4_0),
+    ];
+    if let Some(q) = &q4k {
+        backends.push(("candle_q4k", q));
+    }
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); backends.len()];
+    eprintln!("timing {iters} round-robin iterations…");
+    for it in 0..iters + 2 {
+        let (xs, ids, w) = &routings[it % routings.len()];
+        for (b, (_, backend)) in backends.iter().enumerate() {
+            let start = Instant::now();
+            let y = backend.forward(xs, ids, w)?;
+            std::hint::black_box(y);
+            if it >= 2 {
+                times[b].push(start.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+    }
+    let ms: Vec<f64> = times.iter_mut().map(|v| median(v)).collect();
+    let mut distinct = 0usize;
+    for (_, ids, _) in &routings {
+        let mut e = ids.flatten_all()?.to_vec1::<u32>()?;
+        e.sort_unstable();
+        e.dedup();
+        distinct += e.len();
+    }
+    let experts_per_call = distinct as f64 / routings.len() as f64;
+    let act_bytes = (2 * t * hidden * 4) as f64;
+    let bytes_moved = experts_per_call * layout.slab_bytes() as f64 + act_bytes;
+    let gb_per_s = bytes_moved / (ms[0] * 1e-3) / 1e9;
+    let (read_gb_per_s, copy_gb_per_s) = memory_bandwidth();
+    let get = |n: &str| backends.iter().position(|(b, _)| *b == n).map(|i| ms[i]);
+    let line = json!({
+        "shape": name, "hidden": hidden, "intermediate": inter, "experts": experts, "top_k": k,
+        "tokens": t, "group_size": args.group_size, "cpu_isa": format!("{:?}", CpuIsa::detect()),
+        "threads": rayon::current_num_threads(), "iters": iters,
+        "int4_ms": ms[0], "dense_f32_ms": get("dense_f32"), "dense_bf16_ms": get("dense_bf16"),
+        "candle_q4k_ms": get("candle_q4k"), "candle_q4_0_ms": get("candle_q4_0"),
+        "speedup_vs_dense_f32": get("dense_f32").map(|d| d / ms[0]),
+        "speedup_vs_candle_q4k": get("candle_q4k").map(|d| d / ms[0]),
+        "speedup_vs_candle_q4_0": get("candle_q4_0").map(|d| d / ms[0]),
+        "kernel_rel_err": kernel_rel_err, "quant_rel_err": quant_rel_err,
+        "rtn_quant_rel_err": rtn_quant_rel_err,
+        "experts_per_call": experts_per_call, "slab_bytes": layout.slab_bytes(),
+        "bytes_moved": bytes_moved, "gb_per_s": gb_per_s,
+        "read_gb_per_s": read_gb_per_s, "copy_gb_per_s": copy_gb_per_s,
+        "fraction_of_read_bw": gb_per_s / read_gb_per_s,
+        "quantize_s": quantize_s,
+    });
+    println!("{line}");
+    if let Some(path) = args.json {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)?;
+        writeln!(f, "{line}")?;
+    }
+    Ok(())
+}

@@ -1,6 +1,7 @@
 //! The routed-experts swap point: [`RoutedExperts`] and its dense and INT4 implementations.
 
-use candle::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor, D};
+use candle::quantized::{GgmlDType, QMatMul, QTensor};
+use candle::{CpuStorage, CustomOp3, DType, Layout, Module, Shape, Tensor, D};
 
 use crate::kernels::{cpu, RoutePlan};
 use crate::pack::{DenseExpert, ExpertLayout, LayerPack};
@@ -80,6 +81,44 @@ impl DenseExperts {
     }
 }
 
+/// Runs `expert(e, x_e)` on the tokens routed to each expert and index-adds the weighted
+/// results, experts in ascending order (the summation order of transformers). `x` and the
+/// weights are cast to `dtype` first; the result has the dtype of `xs`.
+fn per_expert_forward(
+    xs: &Tensor,
+    expert_ids: &Tensor,
+    weights: &Tensor,
+    num_experts: usize,
+    dtype: DType,
+    expert: impl Fn(usize, &Tensor) -> candle::Result<Tensor>,
+) -> candle::Result<Tensor> {
+    let (_, k) = expert_ids.dims2()?;
+    let plan = RoutePlan::new(
+        &expert_ids
+            .to_dtype(DType::U32)?
+            .flatten_all()?
+            .to_vec1::<u32>()?,
+        k,
+        num_experts,
+    )?;
+    let x = xs.to_dtype(dtype)?;
+    // Transformers casts the routing weights to the activations' dtype before the product.
+    let flat_w = weights
+        .to_dtype(xs.dtype())?
+        .to_dtype(dtype)?
+        .flatten_all()?;
+    let mut out = x.zeros_like()?;
+    for (e, slots) in &plan.groups {
+        let tokens: Vec<u32> = slots.iter().map(|&s| (s / k) as u32).collect();
+        let slots: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
+        let tok = Tensor::new(tokens.as_slice(), xs.device())?;
+        let ye = expert(*e, &x.index_select(&tok, 0)?)?;
+        let we = flat_w.index_select(&Tensor::new(slots.as_slice(), xs.device())?, 0)?;
+        out = out.index_add(&tok, &ye.broadcast_mul(&we.unsqueeze(D::Minus1)?)?, 0)?;
+    }
+    out.to_dtype(xs.dtype())
+}
+
 impl RoutedExperts for DenseExperts {
     fn num_experts(&self) -> usize {
         self.experts.len()
@@ -93,37 +132,74 @@ impl RoutedExperts for DenseExperts {
         expert_ids: &Tensor,
         weights: &Tensor,
     ) -> candle::Result<Tensor> {
-        let (_, k) = check_call(xs, expert_ids, weights, self.hidden)?;
-        let plan = RoutePlan::new(
-            &expert_ids
-                .to_dtype(DType::U32)?
-                .flatten_all()?
-                .to_vec1::<u32>()?,
-            k,
-            self.experts.len(),
-        )?;
+        check_call(xs, expert_ids, weights, self.hidden)?;
         let dtype = self.experts[0].gate.dtype();
-        let x = xs.to_dtype(dtype)?;
-        // Transformers casts the routing weights to the activations' dtype before the product.
-        let flat_w = weights
-            .to_dtype(xs.dtype())?
-            .to_dtype(dtype)?
-            .flatten_all()?;
-        let mut out = x.zeros_like()?;
-        for (e, slots) in &plan.groups {
-            let ex = &self.experts[*e];
-            let tokens: Vec<u32> = slots.iter().map(|&s| (s / k) as u32).collect();
-            let slots: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
-            let tok = Tensor::new(tokens.as_slice(), xs.device())?;
-            let xe = x.index_select(&tok, 0)?;
-            let gate = candle_nn::ops::silu(&xe.matmul(&ex.gate.t()?)?)?;
-            let hidden = (gate * xe.matmul(&ex.up.t()?)?)?;
-            let ye = hidden.matmul(&ex.down.t()?)?;
-            let we = flat_w.index_select(&Tensor::new(slots.as_slice(), xs.device())?, 0)?;
-            let ye = ye.broadcast_mul(&we.unsqueeze(D::Minus1)?)?;
-            out = out.index_add(&tok, &ye, 0)?;
-        }
-        out.to_dtype(xs.dtype())
+        per_expert_forward(
+            xs,
+            expert_ids,
+            weights,
+            self.experts.len(),
+            dtype,
+            |e, x| {
+                let ex = &self.experts[e];
+                let gate = candle_nn::ops::silu(&x.matmul(&ex.gate.t()?)?)?;
+                (gate * x.matmul(&ex.up.t()?)?)?.matmul(&ex.down.t()?)
+            },
+        )
+    }
+}
+
+/// Candle's own quantized CPU path (`QMatMul` over a GGML type such as Q4K) for each expert:
+/// the in-framework baseline the INT4 kernels are measured against.
+pub struct GgmlExperts {
+    experts: Vec<[QMatMul; 3]>,
+    hidden: usize,
+}
+
+impl GgmlExperts {
+    /// Quantizes every expert's gate, up and down projections to `dtype`.
+    pub fn quantize(experts: &[DenseExpert], dtype: GgmlDType) -> candle::Result<Self> {
+        let dense = DenseExperts::new(experts.to_vec())?;
+        let q =
+            |t: &Tensor| QMatMul::from_qtensor(QTensor::quantize(&t.to_dtype(DType::F32)?, dtype)?);
+        let experts = dense
+            .experts
+            .iter()
+            .map(|x| Ok([q(&x.gate)?, q(&x.up)?, q(&x.down)?]))
+            .collect::<candle::Result<Vec<_>>>()?;
+        Ok(Self {
+            experts,
+            hidden: dense.hidden,
+        })
+    }
+}
+
+impl RoutedExperts for GgmlExperts {
+    fn num_experts(&self) -> usize {
+        self.experts.len()
+    }
+    fn hidden_size(&self) -> usize {
+        self.hidden
+    }
+    fn forward(
+        &self,
+        xs: &Tensor,
+        expert_ids: &Tensor,
+        weights: &Tensor,
+    ) -> candle::Result<Tensor> {
+        check_call(xs, expert_ids, weights, self.hidden)?;
+        per_expert_forward(
+            xs,
+            expert_ids,
+            weights,
+            self.experts.len(),
+            DType::F32,
+            |e, x| {
+                let [gate, up, down] = &self.experts[e];
+                let g = candle_nn::ops::silu(&gate.forward(x)?)?;
+                down.forward(&(g * up.forward(x)?)?)
+            },
+        )
     }
 }
 

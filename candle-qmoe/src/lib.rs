@@ -5,15 +5,18 @@
 //! * [`experts`] — the [`RoutedExperts`] trait with the dense oracle and the INT4 backend.
 //! * [`moe`] — [`SparseMoe`]: router → softmax → top-k → routed experts (+ shared expert).
 //! * [`mlp`] — the gated SiLU MLP used by dense layers and shared experts.
+//! * [`synthetic`] — deterministic random weights and routings with realistic scales.
 
 pub mod error;
 pub mod experts;
 pub mod kernels;
 pub mod mlp;
+pub mod models;
 pub mod moe;
 pub mod pack;
+pub mod synthetic;
 
 pub use error::QmoeError;
-pub use experts::{DenseExperts, Int4Experts, RoutedExperts};
+pub use experts::{DenseExperts, GgmlExperts, Int4Experts, RoutedExperts};
 pub use moe::{Routing, SparseMoe};
 pub use pack::{ExpertLayout, GroupSize, ScaleSearch};

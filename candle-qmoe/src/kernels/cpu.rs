@@ -286,8 +286,10 @@ mod x86 {
         for gi in 0..shape.groups {
             let c0 = gi * shape.chunks_per_group;
             let c1 = (c0 + shape.chunks_per_group).min(shape.chunks);
-            let mut acc: [__m512i; TB] = std::array::from_fn(|t| {
-                _mm512_zextsi128_si512(_mm_cvtsi32_si128(acts[t].corr[gi]))
+            // Two accumulator chains (even and odd chunks) hide `vpdpwssd`'s latency.
+            let mut acc: [[__m512i; 2]; TB] = std::array::from_fn(|t| {
+                let corr = _mm512_zextsi128_si512(_mm_cvtsi32_si128(acts[t].corr[gi]));
+                [corr, _mm512_setzero_si512()]
             });
             for c in c0..c1 {
                 // SAFETY: `shape.check` proved chunk `c` lies inside `w` and every `q`.
@@ -296,12 +298,13 @@ mod x86 {
                 // the lane order of the activations.
                 let both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
                 let wq = _mm512_cvtepu8_epi16(_mm256_and_si256(both, mask));
-                for t in 0..TB {
-                    let x =
-                        _mm512_loadu_si512(acts[t].q.as_ptr().add(c * CHUNK_WEIGHTS) as *const _);
-                    acc[t] = _mm512_dpwssd_epi32(acc[t], wq, x);
+                for (t, a) in acc.iter_mut().enumerate() {
+                    let x = acts[t].q.as_ptr().add(c * CHUNK_WEIGHTS);
+                    a[c & 1] = _mm512_dpwssd_epi32(a[c & 1], wq, _mm512_loadu_si512(x as *const _));
                 }
             }
+            let acc: [__m512i; TB] =
+                std::array::from_fn(|t| _mm512_add_epi32(acc[t][0], acc[t][1]));
             let sw = scale_at(s, gi);
             for t in 0..TB {
                 let f = _mm512_set1_ps(sw * acts[t].scale[gi]);

@@ -4,13 +4,17 @@
 //! stacked gate/up projection, the down projection and their FP16 group scales; see [`layout`]
 //! for the exact bytes. [`LayerPack`] owns the slabs of one layer.
 
+pub mod file;
 pub mod layout;
 pub mod quant;
+
+use std::sync::Arc;
 
 use candle::{DType, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
+pub use file::{PackFile, PackMeta};
 pub use layout::{ExpertLayout, QMatrixLayout, SlabOffsets};
 pub use quant::{dequantize_matrix, quantize_matrix, QuantizedMatrix, ScaleSearch};
 
@@ -169,12 +173,28 @@ impl<'a> SlabView<'a> {
     }
 }
 
-/// The packed routed experts of one MoE layer, held in host memory.
+/// Bytes of a layer's slabs: owned, or a range of a memory-mapped `.qmoe` file.
+#[derive(Clone, Debug)]
+enum PackBytes {
+    Owned(Arc<[u8]>),
+    Mapped(Arc<memmap2::Mmap>, std::ops::Range<usize>),
+}
+
+impl PackBytes {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            PackBytes::Owned(b) => b,
+            PackBytes::Mapped(m, r) => &m[r.clone()],
+        }
+    }
+}
+
+/// The packed routed experts of one MoE layer, held in host memory (owned or memory-mapped).
 #[derive(Clone, Debug)]
 pub struct LayerPack {
     layout: ExpertLayout,
     num_experts: usize,
-    bytes: std::sync::Arc<[u8]>,
+    bytes: PackBytes,
 }
 
 impl LayerPack {
@@ -196,7 +216,7 @@ impl LayerPack {
         Ok(Self {
             layout,
             num_experts: experts.len(),
-            bytes: slabs.concat().into(),
+            bytes: PackBytes::Owned(slabs.concat().into()),
         })
     }
 
@@ -204,13 +224,31 @@ impl LayerPack {
     pub fn from_bytes(
         layout: ExpertLayout,
         num_experts: usize,
-        bytes: std::sync::Arc<[u8]>,
+        bytes: Arc<[u8]>,
+    ) -> Result<Self, QmoeError> {
+        Self::checked(layout, num_experts, PackBytes::Owned(bytes))
+    }
+
+    /// A range of a memory-mapped file, checking its size.
+    pub(crate) fn from_mmap(
+        layout: ExpertLayout,
+        num_experts: usize,
+        map: Arc<memmap2::Mmap>,
+        range: std::ops::Range<usize>,
+    ) -> Result<Self, QmoeError> {
+        Self::checked(layout, num_experts, PackBytes::Mapped(map, range))
+    }
+
+    fn checked(
+        layout: ExpertLayout,
+        num_experts: usize,
+        bytes: PackBytes,
     ) -> Result<Self, QmoeError> {
         let want = num_experts * layout.slab_bytes();
-        if num_experts == 0 || bytes.len() != want {
+        let got = bytes.as_slice().len();
+        if num_experts == 0 || got != want {
             return Err(QmoeError::Pack(format!(
-                "layer holds {} bytes, expected {num_experts} experts × {} = {want}",
-                bytes.len(),
+                "layer holds {got} bytes, expected {num_experts} experts × {} = {want}",
                 layout.slab_bytes()
             )));
         }
@@ -231,14 +269,14 @@ impl LayerPack {
     }
     /// All slabs, back to back.
     pub fn bytes(&self) -> &[u8] {
-        &self.bytes
+        self.bytes.as_slice()
     }
     /// The slab of expert `e`.
     pub fn slab(&self, e: usize) -> SlabView<'_> {
         let n = self.layout.slab_bytes();
         SlabView {
             layout: self.layout,
-            bytes: &self.bytes[e * n..(e + 1) * n],
+            bytes: &self.bytes()[e * n..(e + 1) * n],
         }
     }
 }

@@ -26,87 +26,113 @@ pub enum ScaleSearch {
     Mse,
 }
 
-/// One quantized group: FP16 scale and signed levels in `[-8, 7]`.
-fn quantize_with(values: &[f32], scale: f16, levels: &mut [i8]) -> Option<f32> {
-    let s = scale.to_f32();
-    if s <= 0.0 || !s.is_finite() {
-        return None;
-    }
-    let mut err = 0.0f32;
-    for (l, &w) in levels.iter_mut().zip(values) {
-        let r = w / s;
-        // Admissible only if no weight lies beyond half a step outside [-8, 7].
-        if !(-8.5..=7.5).contains(&r) {
-            return None;
-        }
-        let q = r.round().clamp(-8.0, 7.0);
-        *l = q as i8;
-        let d = w - s * q;
-        err += d * d;
-    }
-    Some(err)
+/// Extremes of one group, used to check a scale's admissibility in O(1).
+#[derive(Clone, Copy)]
+struct GroupStats {
+    min: f32,
+    max: f32,
 }
 
-/// Chooses the scale of one group and writes its levels. Returns the FP16 scale.
-fn quantize_group(values: &[f32], search: ScaleSearch, levels: &mut [i8]) -> f16 {
-    let (mut amax, mut signed_max) = (0.0f32, 0.0f32);
-    for &w in values {
-        if w.abs() > amax {
-            amax = w.abs();
-            signed_max = w;
+impl GroupStats {
+    fn of(values: &[f32]) -> Self {
+        values
+            .iter()
+            .fold(Self { min: 0.0, max: 0.0 }, |s, &w| Self {
+                min: s.min.min(w),
+                max: s.max.max(w),
+            })
+    }
+    /// A scale is admissible when no weight lies beyond half a step outside `[-8, 7]`.
+    fn admits(&self, s: f32) -> bool {
+        s > 0.0 && s.is_finite() && self.max / s <= 7.5 && self.min / s >= -8.5
+    }
+}
+
+/// The level of `w`: `w / s` clamped to `[-8, 7]` and rounded to nearest, ties to even.
+#[inline]
+fn level(w: f32, inv_scale: f32) -> f32 {
+    // Adding and removing 1.5·2²³ rounds to an integer with plain SSE2 arithmetic (no libm
+    // call), so the search loops vectorize; exact for |x| < 2²², and x is within [-8, 7].
+    const MAGIC: f32 = 12_582_912.0;
+    ((w * inv_scale).clamp(-8.0, 7.0) + MAGIC) - MAGIC
+}
+
+/// `Σ f(w)` with eight independent partial sums, so the loop vectorizes.
+#[inline]
+fn lane_sum<const N: usize>(values: &[f32], f: impl Fn(f32) -> [f32; N]) -> [f32; N] {
+    let mut acc = [[0f32; 8]; N];
+    let chunks = values.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (lane, &w) in c.iter().enumerate() {
+            let v = f(w);
+            for (a, v) in acc.iter_mut().zip(v) {
+                a[lane] += v;
+            }
         }
     }
-    let baseline = f16::from_f32(amax / 7.0);
-    if amax == 0.0 || baseline.to_f32() == 0.0 {
+    let mut out: [f32; N] = std::array::from_fn(|i| acc[i].iter().sum());
+    for &w in tail {
+        for (o, v) in out.iter_mut().zip(f(w)) {
+            *o += v;
+        }
+    }
+    out
+}
+
+/// Squared error of quantizing `values` with scale `s`.
+fn squared_error(values: &[f32], s: f32) -> f32 {
+    let inv = 1.0 / s;
+    lane_sum(values, |w| [(w - s * level(w, inv)).powi(2)])[0]
+}
+
+/// Least-squares scale for the levels that `s` produces (`Σ w q / Σ q²`).
+fn refit(values: &[f32], s: f32) -> f16 {
+    let inv = 1.0 / s;
+    let [wq, qq] = lane_sum(values, |w| {
+        let q = level(w, inv);
+        [w * q, q * q]
+    });
+    f16::from_f32(if qq == 0.0 { s } else { wq / qq })
+}
+
+/// Chooses the FP16 scale of one group and writes its signed levels.
+fn quantize_group(values: &[f32], search: ScaleSearch, levels: &mut [i8]) -> f16 {
+    let stats = GroupStats::of(values);
+    let amax = stats.max.max(-stats.min);
+    let mut best = f16::from_f32(amax / 7.0);
+    if amax == 0.0 || best.to_f32() == 0.0 {
         // All zero, or below FP16's smallest scale: the group is zero.
         levels.fill(0);
         return f16::ZERO;
     }
-    let mut best_scale = baseline;
-    let mut best_err = match quantize_with(values, baseline, levels) {
-        Some(e) => e,
-        None => {
-            // FP16 rounding of absmax/7 pushed the extreme past 7.5: step to the next scale up.
-            best_scale = f16::from_bits(baseline.to_bits() + 1);
-            quantize_with(values, best_scale, levels).unwrap_or(f32::INFINITY)
-        }
-    };
-    if search == ScaleSearch::Rtn {
-        return best_scale;
+    if !stats.admits(best.to_f32()) {
+        // FP16 rounding of absmax/7 pushed the extreme past 7.5: take the next scale up.
+        best = f16::from_bits(best.to_bits() + 1);
     }
-    let mut trial = vec![0i8; values.len()];
-    let top = if signed_max < 0.0 { 8.0 } else { 7.0 };
-    for i in 0..=12 {
-        let divisor = top - 0.125 * i as f32;
-        let candidate = f16::from_f32(amax / divisor);
-        for scale in [candidate, refit(values, candidate, &mut trial)] {
-            if let Some(err) = quantize_with(values, scale, &mut trial) {
-                if err < best_err {
-                    best_err = err;
-                    best_scale = scale;
-                    levels.copy_from_slice(&trial);
+    if search == ScaleSearch::Mse {
+        let mut best_err = squared_error(values, best.to_f32());
+        // The -8 level is only reachable by the negative extreme.
+        let top = if -stats.min > stats.max { 8.0 } else { 7.0 };
+        for i in 0..=12 {
+            let candidate = f16::from_f32(amax / (top - 0.125 * i as f32));
+            for scale in [candidate, refit(values, candidate.to_f32())] {
+                let s = scale.to_f32();
+                if stats.admits(s) {
+                    let err = squared_error(values, s);
+                    if err < best_err {
+                        (best, best_err) = (scale, err);
+                    }
                 }
             }
         }
     }
-    best_scale
-}
-
-/// Least-squares scale for the levels that `scale` produces (`Σ w q / Σ q²`).
-fn refit(values: &[f32], scale: f16, levels: &mut [i8]) -> f16 {
-    let s = scale.to_f32();
-    let (mut wq, mut qq) = (0.0f32, 0.0f32);
+    let (s, inv) = (best.to_f32(), 1.0 / best.to_f32());
     for (l, &w) in levels.iter_mut().zip(values) {
-        let q = (w / s).round().clamp(-8.0, 7.0);
-        *l = q as i8;
-        wq += w * q;
-        qq += q * q;
+        *l = level(w, inv) as i8;
+        debug_assert!((w - s * *l as f32).abs() <= s * 0.5 * (1.0 + 1e-6));
     }
-    if qq == 0.0 {
-        scale
-    } else {
-        f16::from_f32(wq / qq)
-    }
+    best
 }
 
 /// A quantized matrix: packed nibbles and FP16 scales in the layout of [`super::layout`].

@@ -1,0 +1,91 @@
+//! Criterion benches of one MoE layer's routed experts at OLMoE and Qwen1.5-MoE shapes, decode
+//! (T = 1) and prefill (T = 128): the INT4 kernel next to Candle's dense BF16 and Q4_0 paths.
+//!
+//! `cargo bench --bench moe_layer` (set `QMOE_BENCH_SHAPES=olmoe` to run one shape).
+
+use candle::quantized::GgmlDType;
+use candle::{DType, Device, Tensor};
+use candle_qmoe::pack::{DenseExpert, ExpertLayout, GroupSize, LayerPack, ScaleSearch};
+use candle_qmoe::{synthetic, DenseExperts, GgmlExperts, Int4Experts, RoutedExperts};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+
+struct Shape {
+    name: &'static str,
+    hidden: usize,
+    inter: usize,
+    experts: usize,
+    k: usize,
+}
+
+const SHAPES: [Shape; 2] = [
+    Shape {
+        name: "olmoe",
+        hidden: 2048,
+        inter: 1024,
+        experts: 64,
+        k: 8,
+    },
+    Shape {
+        name: "qwen",
+        hidden: 2048,
+        inter: 1408,
+        experts: 60,
+        k: 4,
+    },
+];
+
+fn bench_layer(c: &mut Criterion) {
+    let only = std::env::var("QMOE_BENCH_SHAPES").unwrap_or_default();
+    for s in SHAPES
+        .iter()
+        .filter(|s| only.is_empty() || only.contains(s.name))
+    {
+        let dense = synthetic::random_experts(7, s.experts, s.hidden, s.inter, 0.02).unwrap();
+        let layout = ExpertLayout {
+            hidden: s.hidden,
+            intermediate: s.inter,
+            group_size: GroupSize::default(),
+        };
+        let int4 =
+            Int4Experts::new(LayerPack::quantize("l", &dense, layout, ScaleSearch::Mse).unwrap());
+        let bf16: Vec<DenseExpert> = dense
+            .iter()
+            .map(|x| DenseExpert {
+                gate: x.gate.to_dtype(DType::BF16).unwrap(),
+                up: x.up.to_dtype(DType::BF16).unwrap(),
+                down: x.down.to_dtype(DType::BF16).unwrap(),
+            })
+            .collect();
+        let bf16 = DenseExperts::new(bf16).unwrap();
+        let q4_0 = GgmlExperts::quantize(&dense, GgmlDType::Q4_0).unwrap();
+        drop(dense);
+        let backends: [(&str, &dyn RoutedExperts); 3] = [
+            ("int4", &int4),
+            ("dense_bf16", &bf16),
+            ("candle_q4_0", &q4_0),
+        ];
+        let mut group = c.benchmark_group(format!("moe_layer/{}", s.name));
+        group.sample_size(10);
+        for t in [1usize, 128] {
+            let xs = Tensor::from_vec(
+                synthetic::gaussian(t as u64, t * s.hidden, 1.0),
+                (t, s.hidden),
+                &Device::Cpu,
+            )
+            .unwrap();
+            let (ids, w) = synthetic::random_routing(t as u64, t, s.k, s.experts);
+            let ids = Tensor::from_vec(ids, (t, s.k), &Device::Cpu).unwrap();
+            let w = Tensor::from_vec(w, (t, s.k), &Device::Cpu).unwrap();
+            group.throughput(Throughput::Elements(t as u64));
+            for (name, b) in backends {
+                group.bench_with_input(BenchmarkId::new(name, format!("T{t}")), &t, |bench, _| {
+                    bench.iter(|| b.forward(&xs, &ids, &w).unwrap())
+                });
+            }
+        }
+        group.finish();
+    }
+}
+
+criterion_group!(benches, bench_layer);
+criterion_main!(benches);

@@ -1,0 +1,243 @@
+//! The model trunk both ports share: embeddings, decoder layers, final norm and `lm_head`.
+
+use std::sync::Arc;
+
+use candle::{DType, Device, Module, Tensor};
+use candle_nn::{embedding, Embedding, Linear, VarBuilder};
+
+use super::config::{ModelConfig, ModelSpec};
+use super::experts::ExpertsLoader;
+use super::layers::{causal_mask, DecoderLayer, FeedForward, RmsNorm, RotaryEmbedding};
+use crate::SparseMoe;
+
+/// A decoder-only MoE causal LM (OLMoE or Qwen2-MoE layout) with a KV cache.
+///
+/// Weights use the Hugging Face names (`model.embed_tokens`, `model.layers.{i}.*`, `model.norm`,
+/// `lm_head`) and are computed in the VarBuilder's dtype; MoE blocks are [`SparseMoe`] with the
+/// routed experts an [`ExpertsLoader`] provides. Logits are returned in F32.
+#[derive(Clone, Debug)]
+pub struct MoeForCausalLm {
+    spec: ModelSpec,
+    embed_tokens: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    cached: usize,
+    dtype: DType,
+    device: Device,
+}
+
+/// What one pass over the layers produced.
+struct Pass {
+    logits: Tensor,
+    router_logits: Vec<Tensor>,
+}
+
+impl MoeForCausalLm {
+    /// Builds the model from a config (a port's `Config`, [`super::AnyConfig`] or a
+    /// [`ModelSpec`]), a VarBuilder over the checkpoint and the routed-experts source.
+    pub fn new(
+        cfg: &impl ModelConfig,
+        vb: VarBuilder,
+        experts: &dyn ExpertsLoader,
+    ) -> candle::Result<Self> {
+        let spec = cfg.spec()?;
+        let (dtype, device) = (vb.dtype(), vb.device().clone());
+        let vb_m = vb.pp("model");
+        let embed_tokens = embedding(spec.vocab_size, spec.hidden_size, vb_m.pp("embed_tokens"))?;
+        let rotary = Arc::new(RotaryEmbedding::new(
+            spec.rope_theta,
+            spec.head_dim,
+            spec.max_position_embeddings,
+            dtype,
+            &device,
+        )?);
+        let layers = (0..spec.num_layers())
+            .map(|i| DecoderLayer::new(&spec, i, rotary.clone(), experts, vb_m.pp("layers").pp(i)))
+            .collect::<candle::Result<Vec<_>>>()?;
+        let norm = RmsNorm::new(spec.hidden_size, spec.rms_norm_eps, vb_m.pp("norm"))?;
+        let lm_head = if spec.tie_word_embeddings {
+            Linear::new(embed_tokens.embeddings().clone(), None)
+        } else {
+            candle_nn::linear_no_bias(spec.hidden_size, spec.vocab_size, vb.pp("lm_head"))?
+        };
+        Ok(Self {
+            spec,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            cached: 0,
+            dtype,
+            device,
+        })
+    }
+
+    /// Logits `[B, vocab]` (F32) of the last position of `input_ids [B, S]`, whose first token
+    /// sits at position `seqlen_offset` (= the number of tokens already in the KV cache).
+    pub fn forward(&mut self, input_ids: &Tensor, seqlen_offset: usize) -> candle::Result<Tensor> {
+        Ok(self.run(input_ids, seqlen_offset, true, false)?.logits)
+    }
+
+    /// Logits `[B, S, vocab]` (F32) of every position, e.g. for parity checks and perplexity.
+    pub fn forward_all(
+        &mut self,
+        input_ids: &Tensor,
+        seqlen_offset: usize,
+    ) -> candle::Result<Tensor> {
+        Ok(self.run(input_ids, seqlen_offset, false, false)?.logits)
+    }
+
+    /// Like [`Self::forward_all`], plus the router logits `[B, S, experts]` (F32) of each MoE layer
+    /// in layer order.
+    pub fn forward_all_with_router_logits(
+        &mut self,
+        input_ids: &Tensor,
+        seqlen_offset: usize,
+    ) -> candle::Result<(Tensor, Vec<Tensor>)> {
+        let pass = self.run(input_ids, seqlen_offset, false, true)?;
+        Ok((pass.logits, pass.router_logits))
+    }
+
+    fn check_input(
+        &self,
+        input_ids: &Tensor,
+        seqlen_offset: usize,
+    ) -> candle::Result<(usize, usize)> {
+        let Ok((b, s)) = input_ids.dims2() else {
+            candle::bail!(
+                "input_ids must be [batch, seq_len], got shape {:?}",
+                input_ids.dims()
+            );
+        };
+        if b == 0 || s == 0 {
+            candle::bail!("input_ids is empty (shape {:?})", input_ids.dims());
+        }
+        if seqlen_offset != self.cached {
+            candle::bail!(
+                "seqlen_offset = {seqlen_offset} but the KV cache holds {} tokens; call \
+                 clear_kv_cache() before starting a new sequence",
+                self.cached
+            );
+        }
+        let max = self.spec.max_position_embeddings;
+        if seqlen_offset + s > max {
+            candle::bail!(
+                "sequence too long: {seqlen_offset} cached + {s} new tokens exceed the model's \
+                 context (max_position_embeddings = {max})"
+            );
+        }
+        let ids = input_ids
+            .to_dtype(DType::I64)?
+            .flatten_all()?
+            .to_vec1::<i64>()?;
+        let vocab = self.spec.vocab_size;
+        if let Some(bad) = ids.iter().find(|&&t| t < 0 || t as usize >= vocab) {
+            candle::bail!("token id {bad} is outside the vocabulary (vocab_size = {vocab})");
+        }
+        Ok((b, s))
+    }
+
+    /// Runs every decoder layer; collects the MoE layers' router logits as `[B, S, E]` F32.
+    fn run_layers(
+        &mut self,
+        mut xs: Tensor,
+        offset: usize,
+        mask: Option<&Tensor>,
+        want_router: bool,
+    ) -> candle::Result<(Tensor, Vec<Tensor>)> {
+        let (b, s, _) = xs.dims3()?;
+        let mut router_logits = Vec::new();
+        for layer in self.layers.iter_mut() {
+            let (next, router) = layer.forward(&xs, offset, mask)?;
+            xs = next;
+            if let (true, Some(r)) = (want_router, router) {
+                router_logits.push(r.to_dtype(DType::F32)?.reshape((b, s, ()))?);
+            }
+        }
+        Ok((xs, router_logits))
+    }
+
+    fn run(
+        &mut self,
+        input_ids: &Tensor,
+        offset: usize,
+        last_only: bool,
+        want_router: bool,
+    ) -> candle::Result<Pass> {
+        let (_, s) = self.check_input(input_ids, offset)?;
+        let ids = input_ids.to_dtype(DType::U32)?.to_device(&self.device)?;
+        let mask = causal_mask(s, offset, &self.device)?;
+        let xs = self.embed_tokens.forward(&ids)?;
+        let (mut xs, router_logits) = match self.run_layers(xs, offset, mask.as_ref(), want_router)
+        {
+            Ok(r) => r,
+            Err(e) => {
+                // A failed pass may have filled some layers' caches only: start over cleanly.
+                self.clear_kv_cache();
+                return Err(e);
+            }
+        };
+        self.cached += s;
+        if last_only {
+            xs = xs.narrow(1, s - 1, 1)?;
+        }
+        let logits = self
+            .lm_head
+            .forward(&self.norm.forward(&xs)?)?
+            .to_dtype(DType::F32)?;
+        let logits = if last_only {
+            logits.squeeze(1)?
+        } else {
+            logits
+        };
+        Ok(Pass {
+            logits,
+            router_logits,
+        })
+    }
+
+    /// Empties every layer's KV cache; the next call starts at `seqlen_offset = 0`.
+    pub fn clear_kv_cache(&mut self) {
+        self.cached = 0;
+        for layer in self.layers.iter_mut() {
+            layer.clear_kv_cache();
+        }
+    }
+
+    /// Tokens held in the KV cache (the next call's `seqlen_offset`).
+    pub fn cached_len(&self) -> usize {
+        self.cached
+    }
+
+    /// The architecture the model was built from.
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// The compute dtype (the VarBuilder's).
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The decoder layers.
+    pub fn layers(&self) -> &[DecoderLayer] {
+        &self.layers
+    }
+
+    /// The MoE blocks as `(layer index, block)`, in layer order.
+    pub fn moe_blocks(&self) -> impl Iterator<Item = (usize, &SparseMoe)> {
+        self.layers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| match l.mlp() {
+                FeedForward::Moe(m) => Some((i, m)),
+                FeedForward::Dense(_) => None,
+            })
+    }
+}

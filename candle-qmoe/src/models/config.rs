@@ -1,0 +1,344 @@
+//! The architecture both ports share, in one vocabulary: [`ModelSpec`].
+//!
+//! Each port's `Config` reads a Hugging Face `config.json` (fields common to both families live
+//! in [`CommonConfig`], flattened into each port's struct) and maps it onto a [`ModelSpec`], which
+//! is validated once here and drives the shared trunk ([`super::MoeForCausalLm`]).
+
+use serde::{Deserialize, Serialize};
+
+use crate::QmoeError;
+
+/// Something that describes a model the shared trunk can build: the ports' `Config`s,
+/// [`super::AnyConfig`], or a [`ModelSpec`] itself.
+pub trait ModelConfig {
+    /// The validated architecture.
+    fn spec(&self) -> candle::Result<ModelSpec>;
+}
+
+/// Attention options that differ between the families.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttentionSpec {
+    /// Bias on `q_proj`, `k_proj` and `v_proj` (Qwen2-MoE; OLMoE's `attention_bias`).
+    pub qkv_bias: bool,
+    /// Bias on `o_proj` (OLMoE's `attention_bias`; never for Qwen2-MoE).
+    pub o_bias: bool,
+    /// RMSNorm over the full q and k projections, before the heads are split (OLMoE).
+    pub qk_norm: bool,
+    /// Clamp q, k and v to `[-c, c]` after the q/k norm (OLMoE's `clip_qkv`).
+    pub clip_qkv: Option<f64>,
+}
+
+/// A routed MoE block.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeSpec {
+    /// Routed experts per layer.
+    pub num_experts: usize,
+    /// Experts chosen per token.
+    pub top_k: usize,
+    /// Intermediate size of each routed expert.
+    pub intermediate_size: usize,
+    /// Renormalise the top-k probabilities to sum to one.
+    pub norm_topk_prob: bool,
+    /// Intermediate size of the sigmoid-gated shared expert, when there is one (Qwen2-MoE).
+    pub shared_intermediate_size: Option<usize>,
+}
+
+/// The feed-forward part of one decoder layer.
+#[derive(Clone, Debug, PartialEq)]
+pub enum FfnSpec {
+    /// A dense gated SiLU MLP (`mlp.{gate,up,down}_proj`).
+    Dense {
+        /// Its intermediate size.
+        intermediate_size: usize,
+    },
+    /// A sparse MoE block (`mlp.gate`, `mlp.experts.{e}.*`, optional `mlp.shared_expert*`).
+    Moe(MoeSpec),
+}
+
+/// A decoder-only MoE transformer in the shared vocabulary of the ports.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelSpec {
+    /// Family name used in messages (`olmoe`, `qwen2_moe`).
+    pub model_type: String,
+    /// Vocabulary size (rows of `embed_tokens` and `lm_head`).
+    pub vocab_size: usize,
+    /// Hidden size.
+    pub hidden_size: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// Key/value heads (GQA when fewer than `num_heads`).
+    pub num_kv_heads: usize,
+    /// Size of one head.
+    pub head_dim: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// Longest sequence (prompt plus generated tokens) the model accepts.
+    pub max_position_embeddings: usize,
+    /// `lm_head` shares `embed_tokens`' weights.
+    pub tie_word_embeddings: bool,
+    /// Attention options.
+    pub attention: AttentionSpec,
+    /// One entry per decoder layer.
+    pub layers: Vec<FfnSpec>,
+}
+
+fn config_err(msg: String) -> candle::Error {
+    QmoeError::Config(msg).into()
+}
+
+impl ModelSpec {
+    /// Checks that the numbers are consistent; every problem is a [`QmoeError::Config`].
+    pub fn validate(&self) -> candle::Result<()> {
+        let t = &self.model_type;
+        for (name, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("num_attention_heads", self.num_heads),
+            ("num_key_value_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+            ("max_position_embeddings", self.max_position_embeddings),
+            ("num_hidden_layers", self.layers.len()),
+        ] {
+            if v == 0 {
+                return Err(config_err(format!("{t}: {name} must be > 0")));
+            }
+        }
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
+            return Err(config_err(format!(
+                "{t}: num_key_value_heads = {} does not divide num_attention_heads = {}",
+                self.num_kv_heads, self.num_heads
+            )));
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            return Err(config_err(format!(
+                "{t}: head_dim = {} must be even for rotary embeddings",
+                self.head_dim
+            )));
+        }
+        if self.attention.qk_norm && self.num_heads * self.head_dim != self.hidden_size {
+            return Err(config_err(format!(
+                "{t}: q/k norm needs num_attention_heads × head_dim = hidden_size, got {} × {} ≠ {}",
+                self.num_heads, self.head_dim, self.hidden_size
+            )));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return Err(config_err(format!(
+                "{t}: rope_theta = {} must be a positive number",
+                self.rope_theta
+            )));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            return Err(config_err(format!(
+                "{t}: rms_norm_eps = {} must be a positive number",
+                self.rms_norm_eps
+            )));
+        }
+        if let Some(c) = self.attention.clip_qkv {
+            if !(c.is_finite() && c > 0.0) {
+                return Err(config_err(format!(
+                    "{t}: clip_qkv = {c} must be a positive number"
+                )));
+            }
+        }
+        for (i, layer) in self.layers.iter().enumerate() {
+            let (inter, what) = match layer {
+                FfnSpec::Dense { intermediate_size } => (*intermediate_size, "intermediate_size"),
+                FfnSpec::Moe(m) => {
+                    if m.num_experts == 0 {
+                        return Err(config_err(format!(
+                            "{t}: layer {i} is a MoE layer but num_experts = 0"
+                        )));
+                    }
+                    if m.top_k == 0 || m.top_k > m.num_experts {
+                        return Err(config_err(format!(
+                            "{t}: num_experts_per_tok = {} must be between 1 and num_experts = {}",
+                            m.top_k, m.num_experts
+                        )));
+                    }
+                    if m.shared_intermediate_size == Some(0) {
+                        return Err(config_err(format!(
+                            "{t}: shared_expert_intermediate_size must be > 0"
+                        )));
+                    }
+                    (m.intermediate_size, "expert intermediate size")
+                }
+            };
+            if inter == 0 {
+                return Err(config_err(format!("{t}: layer {i}: {what} must be > 0")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Number of decoder layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Indices of the MoE layers, in order.
+    pub fn moe_layers(&self) -> Vec<usize> {
+        self.layers
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| matches!(l, FfnSpec::Moe(_)))
+            .map(|(i, _)| i)
+            .collect()
+    }
+}
+
+impl ModelConfig for ModelSpec {
+    fn spec(&self) -> candle::Result<ModelSpec> {
+        self.validate()?;
+        Ok(self.clone())
+    }
+}
+
+/// The newer transformers spelling of the RoPE settings (`rope_parameters`).
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+pub struct RopeParameters {
+    /// RoPE base.
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    /// `default` is the only type the ports implement.
+    #[serde(default)]
+    pub rope_type: Option<String>,
+}
+
+/// The `config.json` fields OLMoE and Qwen2-MoE share; each port flattens it into its `Config`.
+///
+/// Optional fields are `Option` so that both an absent key and an explicit `null` are accepted.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+pub struct CommonConfig {
+    /// `olmoe` or `qwen2_moe`; checked against the port that reads it.
+    #[serde(default)]
+    pub model_type: Option<String>,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Hidden size.
+    pub hidden_size: usize,
+    /// Intermediate size of dense MLPs (OLMoE: of each routed expert).
+    pub intermediate_size: usize,
+    /// Decoder layers.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads; absent means `num_attention_heads`.
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    /// Head size; absent means `hidden_size / num_attention_heads`.
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    /// Longest sequence the model accepts.
+    pub max_position_embeddings: usize,
+    /// RMSNorm epsilon (family default when absent).
+    #[serde(default)]
+    pub rms_norm_eps: Option<f64>,
+    /// RoPE base (older spelling).
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    /// RoPE settings (newer spelling, `rope_parameters.rope_theta`).
+    #[serde(default)]
+    pub rope_parameters: Option<RopeParameters>,
+    /// Only `null` or a `default` RoPE type is supported.
+    #[serde(default)]
+    pub rope_scaling: Option<serde_json::Value>,
+    /// `lm_head` shares the embedding weights (default `false`).
+    #[serde(default)]
+    pub tie_word_embeddings: Option<bool>,
+    /// Routed experts per MoE layer.
+    pub num_experts: usize,
+    /// Experts chosen per token.
+    pub num_experts_per_tok: usize,
+    /// Renormalise the top-k probabilities (default `false`).
+    #[serde(default)]
+    pub norm_topk_prob: Option<bool>,
+    /// Activation; only `silu` is supported.
+    #[serde(default)]
+    pub hidden_act: Option<String>,
+}
+
+impl CommonConfig {
+    /// The RoPE base from either spelling (default 10000), refusing RoPE scaling types other than
+    /// `default`.
+    pub fn rope_theta(&self) -> candle::Result<f64> {
+        let params = self.rope_parameters.as_ref();
+        let scaling_type = self.rope_scaling.as_ref().and_then(|v| {
+            v.get("rope_type")
+                .or_else(|| v.get("type"))
+                .and_then(|t| t.as_str())
+        });
+        let rope_type = params.and_then(|p| p.rope_type.as_deref()).or(scaling_type);
+        if let Some(rt) = rope_type.filter(|rt| *rt != "default") {
+            return Err(config_err(format!(
+                "RoPE type `{rt}` is not supported (only the default RoPE)"
+            )));
+        }
+        Ok(self
+            .rope_theta
+            .or_else(|| params.and_then(|p| p.rope_theta))
+            .unwrap_or(10_000.0))
+    }
+
+    /// Maps the shared fields onto a [`ModelSpec`] and validates it.
+    ///
+    /// `expected_type` is the port's `model_type`; `default_eps` its RMSNorm epsilon default;
+    /// `layer` gives the feed-forward block of each layer index.
+    pub fn to_spec(
+        &self,
+        expected_type: &str,
+        default_eps: f64,
+        attention: AttentionSpec,
+        layer: impl Fn(usize) -> FfnSpec,
+    ) -> candle::Result<ModelSpec> {
+        if let Some(t) = self.model_type.as_deref().filter(|t| *t != expected_type) {
+            return Err(config_err(format!(
+                "model_type `{t}` is not supported by the `{expected_type}` port"
+            )));
+        }
+        if let Some(act) = self.hidden_act.as_deref().filter(|a| *a != "silu") {
+            return Err(config_err(format!(
+                "{expected_type}: hidden_act `{act}` is not supported (only silu)"
+            )));
+        }
+        let heads = self.num_attention_heads;
+        let head_dim = match self.head_dim {
+            Some(d) => d,
+            None if heads == 0 || !self.hidden_size.is_multiple_of(heads) => {
+                return Err(config_err(format!(
+                    "{expected_type}: num_attention_heads = {heads} does not divide hidden_size = {}",
+                    self.hidden_size
+                )))
+            }
+            None => self.hidden_size / heads,
+        };
+        let spec = ModelSpec {
+            model_type: expected_type.to_string(),
+            vocab_size: self.vocab_size,
+            hidden_size: self.hidden_size,
+            num_heads: heads,
+            num_kv_heads: self.num_key_value_heads.unwrap_or(heads),
+            head_dim,
+            rms_norm_eps: self.rms_norm_eps.unwrap_or(default_eps),
+            rope_theta: self.rope_theta()?,
+            max_position_embeddings: self.max_position_embeddings,
+            tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
+            attention,
+            layers: (0..self.num_hidden_layers).map(layer).collect(),
+        };
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// A routed MoE block with this config's expert count, top-k and `norm_topk_prob`.
+    pub fn moe(&self, intermediate_size: usize, shared: Option<usize>) -> FfnSpec {
+        FfnSpec::Moe(MoeSpec {
+            num_experts: self.num_experts,
+            top_k: self.num_experts_per_tok,
+            intermediate_size,
+            norm_topk_prob: self.norm_topk_prob.unwrap_or(false),
+            shared_intermediate_size: shared,
+        })
+    }
+}

@@ -1,0 +1,368 @@
+//! The building blocks both ports share: RMSNorm, rotary embedding, attention with a KV cache,
+//! the causal mask and the pre-norm decoder layer.
+//!
+//! The arithmetic follows transformers' Llama-family code that `OlmoeAttention` and
+//! `Qwen2MoeAttention` derive from: RMSNorm in F32 and cast back before the weight, RoPE tables
+//! computed in F32 (rotate-half convention), scores in the model dtype and softmax in F32.
+
+use std::sync::Arc;
+
+use candle::{DType, Device, Module, Tensor, D};
+use candle_nn::{linear_b, Linear, VarBuilder};
+
+use super::config::{FfnSpec, ModelSpec};
+use super::experts::{ExpertDims, ExpertsLoader};
+use crate::mlp::GatedMlp;
+use crate::moe::SharedExpert;
+use crate::SparseMoe;
+
+/// RMSNorm as transformers computes it: `weight · to_dtype(x / sqrt(mean(x²) + eps))`, the
+/// normalisation in F32.
+#[derive(Clone, Debug)]
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    /// Loads `weight [size]` from `vb`.
+    pub fn new(size: usize, eps: f64, vb: VarBuilder) -> candle::Result<Self> {
+        Ok(Self {
+            weight: vb.get(size, "weight")?,
+            eps,
+        })
+    }
+}
+
+impl Module for RmsNorm {
+    fn forward(&self, xs: &Tensor) -> candle::Result<Tensor> {
+        if xs.dtype() == DType::F32 && xs.is_contiguous() {
+            // Same result as the path below when nothing needs casting; one fused kernel.
+            return candle_nn::ops::rms_norm(xs, &self.weight, self.eps as f32);
+        }
+        let dtype = xs.dtype();
+        let x = xs.to_dtype(DType::F32)?;
+        let var = x.sqr()?.mean_keepdim(D::Minus1)?;
+        let x = x.broadcast_mul(&(var + self.eps)?.sqrt()?.recip()?)?;
+        x.to_dtype(dtype)?.broadcast_mul(&self.weight)
+    }
+}
+
+/// Rotary embedding tables (HF rotate-half convention), computed in F32 for every position up
+/// to `max_position_embeddings`, then stored in the model dtype.
+#[derive(Clone, Debug)]
+pub struct RotaryEmbedding {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl RotaryEmbedding {
+    /// Builds `cos`/`sin [max_positions, head_dim / 2]` with `inv_freq_i = theta^(-2i / head_dim)`.
+    pub fn new(
+        theta: f64,
+        head_dim: usize,
+        max_positions: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> candle::Result<Self> {
+        let half = head_dim / 2;
+        // As transformers: inv_freq = 1 / base ** (arange(0, dim, 2) / dim), all in float32.
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / head_dim as f32))
+            .collect();
+        let mut cos = Vec::with_capacity(max_positions * half);
+        let mut sin = Vec::with_capacity(max_positions * half);
+        for p in 0..max_positions {
+            for f in &inv_freq {
+                let angle = p as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        let table =
+            |v: Vec<f32>| Tensor::from_vec(v, (max_positions, half), device)?.to_dtype(dtype);
+        Ok(Self {
+            cos: table(cos)?,
+            sin: table(sin)?,
+        })
+    }
+
+    /// Rotates `xs [B, heads, S, head_dim]` whose first token sits at position `offset`.
+    pub fn apply(&self, xs: &Tensor, offset: usize) -> candle::Result<Tensor> {
+        let seq_len = xs.dim(2)?;
+        let cos = self.cos.narrow(0, offset, seq_len)?;
+        let sin = self.sin.narrow(0, offset, seq_len)?;
+        candle_nn::rotary_emb::rope(&xs.contiguous()?, &cos, &sin)
+    }
+}
+
+/// The additive causal mask `[S, offset + S]` (F32, `-inf` above the shifted diagonal), or `None`
+/// for a single token, which may attend to everything cached.
+pub fn causal_mask(
+    seq_len: usize,
+    offset: usize,
+    device: &Device,
+) -> candle::Result<Option<Tensor>> {
+    if seq_len <= 1 {
+        return Ok(None);
+    }
+    let total = offset + seq_len;
+    let mask: Vec<f32> = (0..seq_len)
+        .flat_map(|i| {
+            (0..total).map(move |j| {
+                if j > i + offset {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+        })
+        .collect();
+    Ok(Some(Tensor::from_vec(mask, (seq_len, total), device)?))
+}
+
+/// Repeats each of the `kv` heads of `xs [B, kv, S, D]` `n_rep` times (head `h` reads kv head
+/// `h / n_rep`, as `torch.repeat_interleave`).
+pub fn repeat_kv(xs: Tensor, n_rep: usize) -> candle::Result<Tensor> {
+    if n_rep == 1 {
+        return Ok(xs);
+    }
+    let (b, kv, s, d) = xs.dims4()?;
+    xs.unsqueeze(2)?
+        .expand((b, kv, n_rep, s, d))?
+        .reshape((b, kv * n_rep, s, d))
+}
+
+/// Multi-head attention with GQA, optional q/k/v bias, q/k norm, `clip_qkv`, and a KV cache.
+#[derive(Clone, Debug)]
+pub struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    clip_qkv: Option<f64>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    rotary: Arc<RotaryEmbedding>,
+    kv_cache: Option<(Tensor, Tensor)>,
+}
+
+impl Attention {
+    /// Loads `{q,k,v,o}_proj` (and `{q,k}_norm` when the spec asks) from the `self_attn`
+    /// VarBuilder.
+    pub fn new(
+        spec: &ModelSpec,
+        rotary: Arc<RotaryEmbedding>,
+        vb: VarBuilder,
+    ) -> candle::Result<Self> {
+        let a = &spec.attention;
+        let (h, hd) = (spec.hidden_size, spec.head_dim);
+        let q_dim = spec.num_heads * hd;
+        let kv_dim = spec.num_kv_heads * hd;
+        let norm = |size: usize, name: &str| -> candle::Result<Option<RmsNorm>> {
+            a.qk_norm
+                .then(|| RmsNorm::new(size, spec.rms_norm_eps, vb.pp(name)))
+                .transpose()
+        };
+        Ok(Self {
+            q_proj: linear_b(h, q_dim, a.qkv_bias, vb.pp("q_proj"))?,
+            k_proj: linear_b(h, kv_dim, a.qkv_bias, vb.pp("k_proj"))?,
+            v_proj: linear_b(h, kv_dim, a.qkv_bias, vb.pp("v_proj"))?,
+            o_proj: linear_b(q_dim, h, a.o_bias, vb.pp("o_proj"))?,
+            q_norm: norm(q_dim, "q_norm")?,
+            k_norm: norm(kv_dim, "k_norm")?,
+            clip_qkv: a.clip_qkv,
+            num_heads: spec.num_heads,
+            num_kv_heads: spec.num_kv_heads,
+            head_dim: hd,
+            rotary,
+            kv_cache: None,
+        })
+    }
+
+    /// Attends `xs [B, S, H]` (first token at position `offset`) to the cache plus itself, then
+    /// appends its keys and values to the cache.
+    pub fn forward(
+        &mut self,
+        xs: &Tensor,
+        offset: usize,
+        mask: Option<&Tensor>,
+    ) -> candle::Result<Tensor> {
+        let (b, s, _) = xs.dims3()?;
+        let mut q = self.q_proj.forward(xs)?;
+        let mut k = self.k_proj.forward(xs)?;
+        let mut v = self.v_proj.forward(xs)?;
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        if let Some(c) = self.clip_qkv {
+            q = q.clamp(-c, c)?;
+            k = k.clamp(-c, c)?;
+            v = v.clamp(-c, c)?;
+        }
+        let heads = |t: Tensor, n: usize| {
+            t.reshape((b, s, n, self.head_dim))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let q = self.rotary.apply(&heads(q, self.num_heads)?, offset)?;
+        let k = self.rotary.apply(&heads(k, self.num_kv_heads)?, offset)?;
+        let v = heads(v, self.num_kv_heads)?;
+        let (k, v) = match self.kv_cache.take() {
+            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
+            None => (k, v),
+        };
+        self.kv_cache = Some((k.clone(), v.clone()));
+        let n_rep = self.num_heads / self.num_kv_heads;
+        let k = repeat_kv(k, n_rep)?;
+        let v = repeat_kv(v, n_rep)?;
+        let dtype = q.dtype();
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
+        let scores = match mask {
+            Some(m) => scores.broadcast_add(m)?,
+            None => scores,
+        };
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(dtype)?;
+        let out = probs.matmul(&v.contiguous()?)?;
+        let out = out
+            .transpose(1, 2)?
+            .reshape((b, s, self.num_heads * self.head_dim))?;
+        self.o_proj.forward(&out)
+    }
+
+    /// Empties the KV cache.
+    pub fn clear_kv_cache(&mut self) {
+        self.kv_cache = None;
+    }
+
+    /// Tokens held in the KV cache.
+    pub fn cached_len(&self) -> usize {
+        self.kv_cache
+            .as_ref()
+            .map_or(0, |(k, _)| k.dim(2).unwrap_or(0))
+    }
+}
+
+/// The feed-forward block of a decoder layer.
+#[derive(Clone, Debug)]
+pub enum FeedForward {
+    /// A dense gated MLP.
+    Dense(GatedMlp),
+    /// A sparse MoE block with a swappable routed-experts backend.
+    Moe(SparseMoe),
+}
+
+impl FeedForward {
+    /// Builds the block the spec names for layer `layer` from the `mlp` VarBuilder.
+    pub fn new(
+        spec: &ModelSpec,
+        layer: usize,
+        experts: &dyn ExpertsLoader,
+        vb: VarBuilder,
+    ) -> candle::Result<Self> {
+        let h = spec.hidden_size;
+        match &spec.layers[layer] {
+            FfnSpec::Dense { intermediate_size } => {
+                Ok(Self::Dense(GatedMlp::new(h, *intermediate_size, vb)?))
+            }
+            FfnSpec::Moe(m) => {
+                let router = SparseMoe::load_router(h, m.num_experts, vb.clone())?;
+                let shared = m
+                    .shared_intermediate_size
+                    .map(|si| SharedExpert::new(h, si, vb.clone()))
+                    .transpose()?;
+                let dims = ExpertDims {
+                    layer,
+                    hidden: h,
+                    intermediate: m.intermediate_size,
+                    num_experts: m.num_experts,
+                };
+                let routed = experts.load(dims, vb)?;
+                Ok(Self::Moe(SparseMoe::new(
+                    router,
+                    routed,
+                    m.top_k,
+                    m.norm_topk_prob,
+                    shared,
+                )?))
+            }
+        }
+    }
+
+    /// The block's output and, for a MoE block, its router logits `[N, E]`.
+    pub fn forward(&self, xs: &Tensor) -> candle::Result<(Tensor, Option<Tensor>)> {
+        match self {
+            Self::Dense(mlp) => Ok((mlp.forward(xs)?, None)),
+            Self::Moe(moe) => {
+                let (out, routing) = moe.forward_with_routing(xs)?;
+                Ok((out, Some(routing.logits)))
+            }
+        }
+    }
+}
+
+/// A pre-norm decoder layer: `x + attn(norm(x))`, then `x + ffn(norm(x))`.
+#[derive(Clone, Debug)]
+pub struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: FeedForward,
+}
+
+impl DecoderLayer {
+    /// Loads layer `layer` from the `model.layers.{layer}` VarBuilder.
+    pub fn new(
+        spec: &ModelSpec,
+        layer: usize,
+        rotary: Arc<RotaryEmbedding>,
+        experts: &dyn ExpertsLoader,
+        vb: VarBuilder,
+    ) -> candle::Result<Self> {
+        let (h, eps) = (spec.hidden_size, spec.rms_norm_eps);
+        Ok(Self {
+            input_layernorm: RmsNorm::new(h, eps, vb.pp("input_layernorm"))?,
+            self_attn: Attention::new(spec, rotary, vb.pp("self_attn"))?,
+            post_attention_layernorm: RmsNorm::new(h, eps, vb.pp("post_attention_layernorm"))?,
+            mlp: FeedForward::new(spec, layer, experts, vb.pp("mlp"))?,
+        })
+    }
+
+    /// Runs the layer on `xs [B, S, H]`; returns the new hidden states and the router logits of
+    /// a MoE layer.
+    pub fn forward(
+        &mut self,
+        xs: &Tensor,
+        offset: usize,
+        mask: Option<&Tensor>,
+    ) -> candle::Result<(Tensor, Option<Tensor>)> {
+        let attn = self
+            .self_attn
+            .forward(&self.input_layernorm.forward(xs)?, offset, mask)?;
+        let xs = (xs + attn)?;
+        let (ffn, router_logits) = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&xs)?)?;
+        Ok(((xs + ffn)?, router_logits))
+    }
+
+    /// The feed-forward block.
+    pub fn mlp(&self) -> &FeedForward {
+        &self.mlp
+    }
+
+    /// The attention block.
+    pub fn attention(&self) -> &Attention {
+        &self.self_attn
+    }
+
+    /// Empties the layer's KV cache.
+    pub fn clear_kv_cache(&mut self) {
+        self.self_attn.clear_kv_cache()
+    }
+}

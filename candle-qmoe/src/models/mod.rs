@@ -1,0 +1,127 @@
+//! Candle-style ports of OLMoE and Qwen2-MoE whose MoE blocks are [`crate::SparseMoe`] with a
+//! swappable routed-experts backend.
+//!
+//! Both ports are thin: [`olmoe::Config`] and [`qwen2_moe::Config`] read a Hugging Face
+//! `config.json` and map it onto a [`ModelSpec`]; one trunk, [`MoeForCausalLm`], built from the
+//! shared [`layers`], runs either. The routed experts of each MoE layer come from an
+//! [`ExpertsLoader`], e.g. [`ExpertsBackend::Dense`] (the oracle) or [`ExpertsBackend::Int4`].
+//!
+//! ```no_run
+//! use candle::{DType, Device, Tensor};
+//! use candle_qmoe::models::{self, AnyConfig, ExpertsBackend, MoeForCausalLm};
+//! use candle_qmoe::GroupSize;
+//!
+//! # fn main() -> candle::Result<()> {
+//! let dir = std::path::Path::new("OLMoE-1B-7B-0924-Instruct");
+//! let cfg = AnyConfig::from_file(dir.join("config.json"))?;
+//! let vb = unsafe { models::mmap_checkpoint(dir, DType::BF16, &Device::Cpu)? };
+//! let backend = ExpertsBackend::int4(GroupSize::new(128)?);
+//! let mut model = MoeForCausalLm::new(&cfg, vb, &backend)?;
+//! let prompt = Tensor::new(&[[50279u32, 510, 3158]], &Device::Cpu)?;
+//! let logits = model.forward(&prompt, 0)?; // [1, vocab], F32
+//! # let _ = logits; Ok(()) }
+//! ```
+
+pub mod causal_lm;
+pub mod checkpoint;
+pub mod config;
+pub mod experts;
+pub mod layers;
+pub mod olmoe;
+pub mod qwen2_moe;
+
+use std::path::Path;
+
+pub use causal_lm::MoeForCausalLm;
+pub use checkpoint::{checkpoint_files, mmap_checkpoint};
+pub use config::{AttentionSpec, CommonConfig, FfnSpec, ModelConfig, ModelSpec, MoeSpec};
+pub use experts::{ExpertDims, ExpertsBackend, ExpertsLoader};
+
+use crate::QmoeError;
+
+/// The `model_type`s the ports support.
+pub const SUPPORTED_MODEL_TYPES: [&str; 2] = [olmoe::MODEL_TYPE, qwen2_moe::MODEL_TYPE];
+
+/// Parses a `config.json` text into a port's config; `what` names the port in errors.
+pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(
+    json: &str,
+    what: &str,
+) -> candle::Result<T> {
+    serde_json::from_str(json)
+        .map_err(|e| QmoeError::Config(format!("invalid {what} config.json: {e}")).into())
+}
+
+/// A config of either supported family, chosen by `model_type` (or `architectures`).
+#[derive(Clone, Debug)]
+pub enum AnyConfig {
+    /// An OLMoE config.
+    Olmoe(olmoe::Config),
+    /// A Qwen2-MoE config.
+    Qwen2Moe(qwen2_moe::Config),
+}
+
+impl AnyConfig {
+    /// Parses a `config.json` text, refusing unsupported model types by name.
+    pub fn from_json_str(json: &str) -> candle::Result<Self> {
+        let value: serde_json::Value = serde_json::from_str(json)
+            .map_err(|e| QmoeError::Config(format!("config.json is not valid JSON: {e}")))?;
+        let model_type = value.get("model_type").and_then(|t| t.as_str());
+        let arch = value
+            .get("architectures")
+            .and_then(|a| a.get(0))
+            .and_then(|a| a.as_str());
+        let kind = match (model_type, arch) {
+            (Some(t), _) => t,
+            (None, Some("OlmoeForCausalLM")) => olmoe::MODEL_TYPE,
+            (None, Some("Qwen2MoeForCausalLM")) => qwen2_moe::MODEL_TYPE,
+            (None, other) => {
+                return Err(QmoeError::Config(format!(
+                    "config.json has no model_type and an unsupported architecture {other:?} \
+                     (supported model types: {SUPPORTED_MODEL_TYPES:?})"
+                ))
+                .into())
+            }
+        };
+        match kind {
+            olmoe::MODEL_TYPE => Ok(Self::Olmoe(olmoe::Config::from_json_str(json)?)),
+            qwen2_moe::MODEL_TYPE => Ok(Self::Qwen2Moe(qwen2_moe::Config::from_json_str(json)?)),
+            other => Err(QmoeError::Config(format!(
+                "model_type `{other}` is not supported (supported: {SUPPORTED_MODEL_TYPES:?})"
+            ))
+            .into()),
+        }
+    }
+
+    /// Reads and parses a `config.json` file.
+    pub fn from_file(path: impl AsRef<Path>) -> candle::Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| QmoeError::Config(format!("cannot read `{}`: {e}", path.display())))?;
+        Self::from_json_str(&text)
+    }
+
+    /// The family's `model_type`.
+    pub fn model_type(&self) -> &'static str {
+        match self {
+            Self::Olmoe(_) => olmoe::MODEL_TYPE,
+            Self::Qwen2Moe(_) => qwen2_moe::MODEL_TYPE,
+        }
+    }
+
+    /// The fields both families share.
+    pub fn common(&self) -> &CommonConfig {
+        match self {
+            Self::Olmoe(c) => &c.common,
+            Self::Qwen2Moe(c) => &c.common,
+        }
+    }
+}
+
+impl ModelConfig for AnyConfig {
+    fn spec(&self) -> candle::Result<ModelSpec> {
+        match self {
+            Self::Olmoe(c) => c.spec(),
+            Self::Qwen2Moe(c) => c.spec(),
+        }
+    }
+}

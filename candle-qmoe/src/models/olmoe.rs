@@ -1,0 +1,54 @@
+//! OLMoE (`model_type: olmoe`, `OlmoeForCausalLM`): allenai/OLMoE-1B-7B-0924 and -0125 and their
+//! Instruct variants.
+//!
+//! Every layer is a [`crate::SparseMoe`] block whose routed experts have `intermediate_size`;
+//! attention applies RMSNorm over the full q and k projections, then the optional `clip_qkv`
+//! clamp (that order, as in transformers' `OlmoeAttention`), then RoPE. Only the mapping from
+//! `config.json` lives here; the model itself is the shared [`super::MoeForCausalLm`].
+
+use serde::{Deserialize, Serialize};
+
+use super::config::{AttentionSpec, CommonConfig, ModelConfig, ModelSpec};
+
+/// The `model_type` this port reads.
+pub const MODEL_TYPE: &str = "olmoe";
+
+/// An OLMoE `config.json`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+pub struct Config {
+    /// Fields shared with Qwen2-MoE.
+    #[serde(flatten)]
+    pub common: CommonConfig,
+    /// Clamp q, k, v to `[-clip_qkv, clip_qkv]` after the q/k norm.
+    #[serde(default)]
+    pub clip_qkv: Option<f64>,
+    /// Bias on all four attention projections (default `false`).
+    #[serde(default)]
+    pub attention_bias: Option<bool>,
+}
+
+impl Config {
+    /// Parses a `config.json` text.
+    pub fn from_json_str(json: &str) -> candle::Result<Self> {
+        super::parse_json(json, MODEL_TYPE)
+    }
+}
+
+impl ModelConfig for Config {
+    fn spec(&self) -> candle::Result<ModelSpec> {
+        let c = &self.common;
+        let bias = self.attention_bias.unwrap_or(false);
+        let attention = AttentionSpec {
+            qkv_bias: bias,
+            o_bias: bias,
+            qk_norm: true,
+            clip_qkv: self.clip_qkv,
+        };
+        c.to_spec(MODEL_TYPE, 1e-5, attention, |_| {
+            c.moe(c.intermediate_size, None)
+        })
+    }
+}
+
+/// The OLMoE causal LM: the shared trunk built from an OLMoE [`Config`].
+pub type Model = super::MoeForCausalLm;

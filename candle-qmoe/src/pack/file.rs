@@ -1,0 +1,359 @@
+//! The `.qmoe` file: a safetensors file holding one `U8 [experts, slab_bytes]` tensor per MoE
+//! layer (`layers.{i}.experts`) and a metadata header naming the format version, the slab
+//! layout, the group size and the source checkpoint (model id, revision, fingerprint).
+//!
+//! Loading is memory-mapped; the header, every tensor's shape and the file size are validated,
+//! and [`PackFile::check_source`] refuses a pack made from another checkpoint.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::Arc;
+
+use sha2::{Digest, Sha256};
+
+use super::{ExpertLayout, GroupSize, LayerPack, ScaleSearch};
+use crate::QmoeError;
+
+/// Format marker stored under `format`.
+pub const FORMAT: &str = "candle-qmoe";
+/// Version of the file layout this build reads and writes.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// What a `.qmoe` header records.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PackMeta {
+    /// Slab layout (hidden, intermediate, group size).
+    pub layout: ExpertLayout,
+    /// Routed experts per layer.
+    pub num_experts: usize,
+    /// How scales were chosen.
+    pub scale_search: ScaleSearch,
+    /// Source model id or path.
+    pub source_model: String,
+    /// Source revision (hub revision or `local`).
+    pub source_revision: String,
+    /// Fingerprint of the source checkpoint (see [`checkpoint_fingerprint`]).
+    pub fingerprint: String,
+}
+
+/// SHA-256 over `config.json` and the router weights' raw bytes, in layer order: two different
+/// checkpoints of the same architecture (e.g. OLMoE 0924 and 0125) get different fingerprints.
+pub fn checkpoint_fingerprint<'a>(
+    config_json: &[u8],
+    routers: impl IntoIterator<Item = &'a [u8]>,
+) -> String {
+    let mut h = Sha256::new();
+    h.update(config_json);
+    for r in routers {
+        h.update((r.len() as u64).to_le_bytes());
+        h.update(r);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A memory-mapped `.qmoe` file.
+#[derive(Debug)]
+pub struct PackFile {
+    meta: PackMeta,
+    layers: BTreeMap<usize, LayerPack>,
+}
+
+fn tensor_name(layer: usize) -> String {
+    format!("layers.{layer}.experts")
+}
+
+fn bad(path: &Path, msg: impl std::fmt::Display) -> QmoeError {
+    QmoeError::Pack(format!("{}: {msg}", path.display()))
+}
+
+impl PackFile {
+    /// Writes `layers` (MoE layer index → pack) with `meta` to `path`.
+    pub fn write(
+        path: &Path,
+        meta: &PackMeta,
+        layers: &[(usize, LayerPack)],
+    ) -> candle::Result<()> {
+        let mut info: HashMap<String, String> = HashMap::new();
+        let l = meta.layout;
+        for (k, v) in [
+            ("format", FORMAT.to_string()),
+            ("format_version", FORMAT_VERSION.to_string()),
+            ("hidden", l.hidden.to_string()),
+            ("intermediate", l.intermediate.to_string()),
+            ("group_size", l.group_size.get().to_string()),
+            ("num_experts", meta.num_experts.to_string()),
+            (
+                "scale_search",
+                format!("{:?}", meta.scale_search).to_lowercase(),
+            ),
+            ("source_model", meta.source_model.clone()),
+            ("source_revision", meta.source_revision.clone()),
+            ("fingerprint", meta.fingerprint.clone()),
+            (
+                "layers",
+                serde_json::to_string(&layers.iter().map(|(i, _)| *i).collect::<Vec<_>>())
+                    .map_err(candle::Error::wrap)?,
+            ),
+        ] {
+            info.insert(k.to_string(), v);
+        }
+        let mut views = Vec::with_capacity(layers.len());
+        for (i, p) in layers {
+            if p.layout() != l || p.num_experts() != meta.num_experts {
+                return Err(QmoeError::Pack(format!(
+                    "layer {i} has layout {:?} × {} experts, the header says {l:?} × {}",
+                    p.layout(),
+                    p.num_experts(),
+                    meta.num_experts
+                ))
+                .into());
+            }
+            let view = safetensors::tensor::TensorView::new(
+                safetensors::Dtype::U8,
+                vec![p.num_experts(), l.slab_bytes()],
+                p.bytes(),
+            )
+            .map_err(candle::Error::wrap)?;
+            views.push((tensor_name(*i), view));
+        }
+        safetensors::serialize_to_file(views, Some(info), path).map_err(candle::Error::wrap)
+    }
+
+    /// Memory-maps and validates a `.qmoe` file.
+    pub fn open(path: &Path) -> candle::Result<Self> {
+        let file = std::fs::File::open(path).map_err(|e| bad(path, e))?;
+        // SAFETY: the file is opened read-only and the map is never written; as with every
+        // mmap-backed safetensors loader, the file must not be truncated while mapped.
+        let map = Arc::new(unsafe { memmap2::Mmap::map(&file) }.map_err(|e| bad(path, e))?);
+        let (n, header) = safetensors::SafeTensors::read_metadata(&map).map_err(|e| {
+            bad(
+                path,
+                format!("not a readable .qmoe (safetensors) file: {e}"),
+            )
+        })?;
+        let info = header
+            .metadata()
+            .clone()
+            .ok_or_else(|| bad(path, "no metadata header"))?;
+        let get = |k: &str| {
+            info.get(k)
+                .cloned()
+                .ok_or_else(|| bad(path, format!("metadata lacks `{k}`")))
+        };
+        let num = |k: &str| -> Result<usize, QmoeError> {
+            get(k)?
+                .parse::<usize>()
+                .map_err(|_| bad(path, format!("metadata `{k}` is not a number")))
+        };
+        if get("format")? != FORMAT {
+            return Err(bad(path, "not a candle-qmoe pack").into());
+        }
+        let version = num("format_version")?;
+        if version != FORMAT_VERSION as usize {
+            return Err(bad(
+                path,
+                format!("format version {version}, this build reads version {FORMAT_VERSION}; re-run quantize"),
+            )
+            .into());
+        }
+        let layout = ExpertLayout {
+            hidden: num("hidden")?,
+            intermediate: num("intermediate")?,
+            group_size: GroupSize::new(num("group_size")?)?,
+        };
+        let scale_search = match get("scale_search")?.as_str() {
+            "mse" => ScaleSearch::Mse,
+            "rtn" => ScaleSearch::Rtn,
+            other => return Err(bad(path, format!("unknown scale_search `{other}`")).into()),
+        };
+        let meta = PackMeta {
+            layout,
+            num_experts: num("num_experts")?,
+            scale_search,
+            source_model: get("source_model")?,
+            source_revision: get("source_revision")?,
+            fingerprint: get("fingerprint")?,
+        };
+        let indices: Vec<usize> = serde_json::from_str(&get("layers")?)
+            .map_err(|_| bad(path, "metadata `layers` is not a list of layer indices"))?;
+        let data_start = 8 + n;
+        let mut layers = BTreeMap::new();
+        for i in indices {
+            let name = tensor_name(i);
+            let t = header
+                .info(&name)
+                .ok_or_else(|| bad(path, format!("missing tensor `{name}`")))?;
+            let want = [meta.num_experts, layout.slab_bytes()];
+            if t.dtype != safetensors::Dtype::U8 || t.shape != want {
+                return Err(bad(
+                    path,
+                    format!(
+                        "tensor `{name}` is {:?} {:?}, expected U8 {want:?}",
+                        t.dtype, t.shape
+                    ),
+                )
+                .into());
+            }
+            let range = data_start + t.data_offsets.0..data_start + t.data_offsets.1;
+            if range.end > map.len() {
+                return Err(bad(
+                    path,
+                    format!(
+                        "truncated: `{name}` ends at byte {} of {}",
+                        range.end,
+                        map.len()
+                    ),
+                )
+                .into());
+            }
+            let pack = LayerPack::from_mmap(layout, meta.num_experts, map.clone(), range)
+                .map_err(|e| bad(path, e))?;
+            layers.insert(i, pack);
+        }
+        Ok(Self { meta, layers })
+    }
+
+    /// The header.
+    pub fn meta(&self) -> &PackMeta {
+        &self.meta
+    }
+
+    /// The MoE layer indices the pack holds.
+    pub fn layer_indices(&self) -> impl Iterator<Item = usize> + '_ {
+        self.layers.keys().copied()
+    }
+
+    /// The pack of MoE layer `i`.
+    pub fn layer(&self, i: usize) -> Result<LayerPack, QmoeError> {
+        self.layers
+            .get(&i)
+            .cloned()
+            .ok_or_else(|| QmoeError::Pack(format!("pack has no experts for layer {i}")))
+    }
+
+    /// Refuses a pack made from another checkpoint or with other shapes.
+    pub fn check_source(
+        &self,
+        fingerprint: &str,
+        layout_hidden: usize,
+        layout_intermediate: usize,
+        num_experts: usize,
+    ) -> Result<(), QmoeError> {
+        let m = &self.meta;
+        if m.fingerprint != fingerprint {
+            return Err(QmoeError::Pack(format!(
+                "pack was made from {} (revision {}, fingerprint {}…), not from this checkpoint \
+                 (fingerprint {}…); re-run quantize",
+                m.source_model,
+                m.source_revision,
+                &m.fingerprint[..m.fingerprint.len().min(12)],
+                &fingerprint[..fingerprint.len().min(12)]
+            )));
+        }
+        if (m.layout.hidden, m.layout.intermediate, m.num_experts)
+            != (layout_hidden, layout_intermediate, num_experts)
+        {
+            return Err(QmoeError::Pack(format!(
+                "pack holds H {} I {} × {} experts; the model has H {layout_hidden} I \
+                 {layout_intermediate} × {num_experts}",
+                m.layout.hidden, m.layout.intermediate, m.num_experts
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pack::DenseExpert;
+    use candle::{Device, Tensor};
+
+    fn sample() -> (PackMeta, Vec<(usize, LayerPack)>) {
+        let layout = ExpertLayout {
+            hidden: 64,
+            intermediate: 40,
+            group_size: GroupSize::new(32).unwrap(),
+        };
+        let experts: Vec<DenseExpert> = (0..3)
+            .map(|e| {
+                let t = |r: usize, c: usize| {
+                    let v: Vec<f32> = (0..r * c)
+                        .map(|i| ((i * 31 + e * 7) % 17) as f32 - 8.0)
+                        .collect();
+                    Tensor::from_vec(v, (r, c), &Device::Cpu).unwrap()
+                };
+                DenseExpert {
+                    gate: t(40, 64),
+                    up: t(40, 64),
+                    down: t(64, 40),
+                }
+            })
+            .collect();
+        let layers = [1, 3]
+            .iter()
+            .map(|&i| {
+                (
+                    i,
+                    LayerPack::quantize("l", &experts, layout, ScaleSearch::Mse).unwrap(),
+                )
+            })
+            .collect();
+        let meta = PackMeta {
+            layout,
+            num_experts: 3,
+            scale_search: ScaleSearch::Mse,
+            source_model: "test/model".into(),
+            source_revision: "main".into(),
+            fingerprint: checkpoint_fingerprint(b"{}", [&b"router"[..]]),
+        };
+        (meta, layers)
+    }
+
+    #[test]
+    fn round_trip_and_source_checks() {
+        let dir = std::env::temp_dir().join(format!("qmoe-file-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("ok.qmoe");
+        let (meta, layers) = sample();
+        PackFile::write(&path, &meta, &layers).unwrap();
+        let f = PackFile::open(&path).unwrap();
+        assert_eq!(f.meta(), &meta);
+        assert_eq!(f.layer_indices().collect::<Vec<_>>(), vec![1, 3]);
+        assert_eq!(f.layer(3).unwrap().bytes(), layers[1].1.bytes());
+        assert!(f.layer(0).unwrap_err().to_string().contains("layer 0"));
+        f.check_source(&meta.fingerprint, 64, 40, 3).unwrap();
+        let other = checkpoint_fingerprint(b"{}", [&b"other router"[..]]);
+        let e = f.check_source(&other, 64, 40, 3).unwrap_err().to_string();
+        assert!(
+            e.contains("test/model") && e.contains("re-run quantize"),
+            "{e}"
+        );
+        assert!(f.check_source(&meta.fingerprint, 64, 48, 3).is_err());
+
+        // Truncation, a foreign version and a non-safetensors file are clear errors.
+        let bytes = std::fs::read(&path).unwrap();
+        let cut = dir.join("cut.qmoe");
+        std::fs::write(&cut, &bytes[..bytes.len() - 100]).unwrap();
+        let e = PackFile::open(&cut).unwrap_err().to_string();
+        assert!(e.contains("cut.qmoe"), "{e}");
+        let needle = b"\"format_version\":\"1\"";
+        let at = bytes
+            .windows(needle.len())
+            .position(|w| w == needle)
+            .unwrap();
+        let mut v7 = bytes.clone();
+        v7[at + needle.len() - 2] = b'7';
+        let v7_path = dir.join("v7.qmoe");
+        std::fs::write(&v7_path, &v7).unwrap();
+        let e = PackFile::open(&v7_path).unwrap_err().to_string();
+        assert!(e.contains("format version 7"), "{e}");
+        let junk = dir.join("junk.qmoe");
+        std::fs::write(&junk, b"not a pack at all").unwrap();
+        assert!(PackFile::open(&junk)
+            .unwrap_err()
+            .to_string()
+            .contains("junk.qmoe"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
