@@ -104,6 +104,24 @@ fn memory_bandwidth() -> (f64, f64) {
     )
 }
 
+/// The CPU model name, or `null` when unknown.
+fn cpu_model() -> Option<String> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("model name"))?;
+    Some(line.split(':').nth(1)?.trim().to_string())
+}
+
+/// The current git commit (with `-dirty` when the tree has changes), or `null`.
+fn git_commit() -> Option<String> {
+    let out = std::process::Command::new("git")
+        .args(["describe", "--always", "--dirty", "--abbrev=12"])
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let (name, hidden, inter, experts, k) = match args.shape {
@@ -189,6 +207,9 @@ fn main() -> Result<()> {
     for it in 0..iters + 2 {
         let (xs, ids, w) = &routings[it % routings.len()];
         for (b, (_, backend)) in backends.iter().enumerate() {
+            // Let the previous backend's worker threads park: Candle's CPU thread pool spins for
+            // about a millisecond after each op, which would steal a core from the next one.
+            std::thread::sleep(std::time::Duration::from_millis(10));
             let start = Instant::now();
             let y = backend.forward(xs, ids, w)?;
             std::hint::black_box(y);
@@ -212,6 +233,8 @@ fn main() -> Result<()> {
     let (read_gb_per_s, copy_gb_per_s) = memory_bandwidth();
     let get = |n: &str| backends.iter().position(|(b, _)| *b == n).map(|i| ms[i]);
     let line = json!({
+        "device": cpu_model(), "commit": git_commit(),
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
         "shape": name, "hidden": hidden, "intermediate": inter, "experts": experts, "top_k": k,
         "tokens": t, "group_size": args.group_size, "cpu_isa": format!("{:?}", CpuIsa::detect()),
         "threads": rayon::current_num_threads(), "iters": iters,

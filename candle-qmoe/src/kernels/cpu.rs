@@ -13,6 +13,8 @@
 //! and the summation order does not depend on the thread count or on residency, so results are
 //! reproducible bit for bit.
 
+use std::ops::Range;
+
 use half::f16;
 use rayon::prelude::*;
 
@@ -25,9 +27,9 @@ use crate::pack::{ExpertLayout, QMatrixLayout};
 pub enum CpuIsa {
     /// Portable Rust, any target.
     Scalar,
-    /// x86-64 AVX2 + FMA.
+    /// x86-64 AVX2 + FMA + F16C.
     Avx2,
-    /// x86-64 AVX-512 BW/VL + VNNI.
+    /// x86-64 AVX-512 BW/VL + VNNI (+ F16C).
     Avx512Vnni,
 }
 
@@ -48,13 +50,18 @@ impl CpuIsa {
         match self {
             CpuIsa::Scalar => true,
             #[cfg(target_arch = "x86_64")]
-            CpuIsa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+            CpuIsa::Avx2 => {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            }
             #[cfg(target_arch = "x86_64")]
             CpuIsa::Avx512Vnni => {
                 is_x86_feature_detected!("avx512f")
                     && is_x86_feature_detected!("avx512bw")
                     && is_x86_feature_detected!("avx512vl")
                     && is_x86_feature_detected!("avx512vnni")
+                    && is_x86_feature_detected!("f16c")
             }
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
@@ -224,45 +231,18 @@ mod x86 {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// # Safety
-    /// The CPU must support AVX2 and FMA, and the slices must cover `shape`.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot_avx2<const TB: usize>(
-        shape: DotShape,
-        w: &[u8],
-        s: &[u8],
-        acts: &[ActRow; TB],
-    ) -> [f32; TB] {
-        shape.check(w, s, acts);
-        let mask = _mm_set1_epi8(0x0f);
-        let mut facc = [_mm256_setzero_ps(); TB];
-        for gi in 0..shape.groups {
-            let c0 = gi * shape.chunks_per_group;
-            let c1 = (c0 + shape.chunks_per_group).min(shape.chunks);
-            let mut acc: [__m256i; TB] =
-                std::array::from_fn(|t| _mm256_setr_epi32(acts[t].corr[gi], 0, 0, 0, 0, 0, 0, 0));
-            for c in c0..c1 {
-                // SAFETY: `shape.check` proved chunk `c` lies inside `w` and every `q`.
-                let b = _mm_loadu_si128(w.as_ptr().add(c * CHUNK_BYTES) as *const __m128i);
-                let lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, mask));
-                let hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
-                for t in 0..TB {
-                    let x = acts[t].q.as_ptr().add(c * CHUNK_WEIGHTS);
-                    let xl = _mm256_loadu_si256(x as *const __m256i);
-                    let xh = _mm256_loadu_si256(x.add(16) as *const __m256i);
-                    let p = _mm256_add_epi32(_mm256_madd_epi16(lo, xl), _mm256_madd_epi16(hi, xh));
-                    acc[t] = _mm256_add_epi32(acc[t], p);
-                }
-            }
-            let sw = scale_at(s, gi);
-            for t in 0..TB {
-                let f = _mm256_set1_ps(sw * acts[t].scale[gi]);
-                facc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t]), f, facc[t]);
-            }
-        }
-        std::array::from_fn(|t| hsum256(facc[t]))
+    /// How far ahead of the current chunk weights are prefetched.
+    const PREFETCH_BYTES: usize = 4096;
+
+    /// FP16 scale `g` of a row, converted with one F16C instruction.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    fn scale_f16c(s: &[u8], g: usize) -> f32 {
+        let bits = u16::from_le_bytes([s[2 * g], s[2 * g + 1]]) as i32;
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)))
     }
 
+    #[inline]
     #[target_feature(enable = "avx2,fma")]
     fn hsum256(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -271,81 +251,245 @@ mod x86 {
         _mm_cvtss_f32(s)
     }
 
+    /// Low and high nibbles of chunk `c` widened to 16 × i16 each.
+    ///
     /// # Safety
-    /// The CPU must support AVX-512 F/BW/VL and VNNI, and the slices must cover `shape`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    pub(super) unsafe fn dot_avx512<const TB: usize>(
+    /// Chunk `c` must lie inside the row `w` points to.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn decode_avx2(w: *const u8, c: usize) -> (__m256i, __m256i) {
+        let mask = _mm_set1_epi8(0x0f);
+        let b = _mm_loadu_si128(w.add(c * CHUNK_BYTES) as *const __m128i);
+        (
+            _mm256_cvtepu8_epi16(_mm_and_si128(b, mask)),
+            _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask)),
+        )
+    }
+
+    /// `vpmaddwd` of a decoded chunk with activation chunk `c` of `x`, summed to 8 × i32.
+    ///
+    /// # Safety
+    /// Chunk `c` must lie inside the activation row `x` points to.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn madd_avx2(w: (__m256i, __m256i), x: *const i16, c: usize) -> __m256i {
+        let x = x.add(c * CHUNK_WEIGHTS);
+        let lo = _mm256_madd_epi16(w.0, _mm256_loadu_si256(x as *const __m256i));
+        let hi = _mm256_madd_epi16(w.1, _mm256_loadu_si256(x.add(16) as *const __m256i));
+        _mm256_add_epi32(lo, hi)
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; the slices must cover `shape` (checked).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn row_avx2<const TB: usize>(
         shape: DotShape,
         w: &[u8],
         s: &[u8],
         acts: &[ActRow; TB],
     ) -> [f32; TB] {
         shape.check(w, s, acts);
-        let mask = _mm256_set1_epi8(0x0f);
+        let (wp, x): (*const u8, [*const i16; TB]) =
+            (w.as_ptr(), std::array::from_fn(|t| acts[t].q.as_ptr()));
+        let mut facc = [_mm256_setzero_ps(); TB];
+        for gi in 0..shape.groups {
+            let c0 = gi * shape.chunks_per_group;
+            let c1 = (c0 + shape.chunks_per_group).min(shape.chunks);
+            let mut acc: [__m256i; TB] =
+                std::array::from_fn(|t| _mm256_setr_epi32(acts[t].corr[gi], 0, 0, 0, 0, 0, 0, 0));
+            for c in c0..c1 {
+                if c % 4 == 0 {
+                    // Rows of a block are contiguous: fetch ahead across row ends (never faults).
+                    _mm_prefetch::<_MM_HINT_T0>(
+                        wp.wrapping_add(c * CHUNK_BYTES + PREFETCH_BYTES) as *const i8
+                    );
+                }
+                // SAFETY: `shape.check` proved chunk `c` lies inside `w` and every `q`.
+                let wq = decode_avx2(wp, c);
+                for t in 0..TB {
+                    acc[t] = _mm256_add_epi32(acc[t], madd_avx2(wq, x[t], c));
+                }
+            }
+            let sw = scale_f16c(s, gi);
+            for t in 0..TB {
+                let f = _mm256_set1_ps(sw * acts[t].scale[gi]);
+                facc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t]), f, facc[t]);
+            }
+        }
+        std::array::from_fn(|t| hsum256(facc[t]))
+    }
+
+    /// Chunk `c` as 32 × i16: `[low nibbles of bytes 0..16 | high nibbles of bytes 0..16]`, the
+    /// lane order of the activations.
+    ///
+    /// # Safety
+    /// Chunk `c` must lie inside the row `w` points to.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn decode_avx512(w: *const u8, c: usize) -> __m512i {
+        let b = _mm_loadu_si128(w.add(c * CHUNK_BYTES) as *const __m128i);
+        let both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
+        _mm512_cvtepu8_epi16(_mm256_and_si256(both, _mm256_set1_epi8(0x0f)))
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW/VL/VNNI and F16C; the slices must cover `shape`
+    /// (checked).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn row_avx512<const TB: usize>(
+        shape: DotShape,
+        w: &[u8],
+        s: &[u8],
+        acts: &[ActRow; TB],
+    ) -> [f32; TB] {
+        shape.check(w, s, acts);
+        let (wp, x): (*const u8, [*const i16; TB]) =
+            (w.as_ptr(), std::array::from_fn(|t| acts[t].q.as_ptr()));
+        let xload =
+            |t: usize, c: usize| _mm512_loadu_si512(x[t].add(c * CHUNK_WEIGHTS) as *const _);
         let mut facc = [_mm512_setzero_ps(); TB];
         for gi in 0..shape.groups {
             let c0 = gi * shape.chunks_per_group;
             let c1 = (c0 + shape.chunks_per_group).min(shape.chunks);
             // Two accumulator chains (even and odd chunks) hide `vpdpwssd`'s latency.
-            let mut acc: [[__m512i; 2]; TB] = std::array::from_fn(|t| {
-                let corr = _mm512_zextsi128_si512(_mm_cvtsi32_si128(acts[t].corr[gi]));
-                [corr, _mm512_setzero_si512()]
+            let mut even: [__m512i; TB] = std::array::from_fn(|t| {
+                _mm512_zextsi128_si512(_mm_cvtsi32_si128(acts[t].corr[gi]))
             });
-            for c in c0..c1 {
-                // SAFETY: `shape.check` proved chunk `c` lies inside `w` and every `q`.
-                let b = _mm_loadu_si128(w.as_ptr().add(c * CHUNK_BYTES) as *const __m128i);
-                // [low nibbles of bytes 0..16 | high nibbles of bytes 0..16] as 32 × i16,
-                // the lane order of the activations.
-                let both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
-                let wq = _mm512_cvtepu8_epi16(_mm256_and_si256(both, mask));
-                for (t, a) in acc.iter_mut().enumerate() {
-                    let x = acts[t].q.as_ptr().add(c * CHUNK_WEIGHTS);
-                    a[c & 1] = _mm512_dpwssd_epi32(a[c & 1], wq, _mm512_loadu_si512(x as *const _));
+            let mut odd = [_mm512_setzero_si512(); TB];
+            let mut c = c0;
+            // SAFETY (both loops): `shape.check` proved chunks `c0..c1` lie inside `w` and every `q`.
+            while c + 1 < c1 {
+                // Rows of a block are contiguous: fetch ahead across row ends (never faults).
+                _mm_prefetch::<_MM_HINT_T0>(
+                    wp.wrapping_add(c * CHUNK_BYTES + PREFETCH_BYTES) as *const i8
+                );
+                let (w0, w1) = (decode_avx512(wp, c), decode_avx512(wp, c + 1));
+                for t in 0..TB {
+                    even[t] = _mm512_dpwssd_epi32(even[t], w0, xload(t, c));
+                    odd[t] = _mm512_dpwssd_epi32(odd[t], w1, xload(t, c + 1));
+                }
+                c += 2;
+            }
+            if c < c1 {
+                let w0 = decode_avx512(wp, c);
+                for t in 0..TB {
+                    even[t] = _mm512_dpwssd_epi32(even[t], w0, xload(t, c));
                 }
             }
-            let acc: [__m512i; TB] =
-                std::array::from_fn(|t| _mm512_add_epi32(acc[t][0], acc[t][1]));
-            let sw = scale_at(s, gi);
+            let sw = scale_f16c(s, gi);
             for t in 0..TB {
-                let f = _mm512_set1_ps(sw * acts[t].scale[gi]);
-                facc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t]), f, facc[t]);
+                let sum = _mm512_cvtepi32_ps(_mm512_add_epi32(even[t], odd[t]));
+                facc[t] = _mm512_fmadd_ps(sum, _mm512_set1_ps(sw * acts[t].scale[gi]), facc[t]);
             }
         }
         std::array::from_fn(|t| _mm512_reduce_add_ps(facc[t]))
     }
-}
 
-/// Dot products of one packed row with up to `TB` activation rows.
-#[inline]
-fn dot<const TB: usize>(
-    isa: CpuIsa,
-    shape: DotShape,
-    w: &[u8],
-    s: &[u8],
-    acts: &[ActRow; TB],
-) -> [f32; TB] {
-    match isa {
-        // SAFETY: `isa` was checked available (see `routed_forward`); slices are checked inside.
-        #[cfg(target_arch = "x86_64")]
-        CpuIsa::Avx2 => unsafe { x86::dot_avx2(shape, w, s, acts) },
-        // SAFETY: as above.
-        #[cfg(target_arch = "x86_64")]
-        CpuIsa::Avx512Vnni => unsafe { x86::dot_avx512(shape, w, s, acts) },
-        _ => dot_scalar(shape, w, s, acts),
+    /// [`block`] with AVX2 rows.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn block_avx2<const TB: usize>(
+        shape: DotShape,
+        m: &PackedMatrix,
+        rows: Range<usize>,
+        acts: &[ActRow; TB],
+        out: &mut [f32],
+    ) {
+        for (n, o) in rows.zip(out.chunks_exact_mut(TB)) {
+            let (w, s) = m.row(n);
+            // SAFETY: the caller guarantees the CPU features; `row_avx2` checks the slices.
+            o.copy_from_slice(&unsafe { row_avx2(shape, w, s, acts) });
+        }
+    }
+
+    /// [`block`] with AVX-512 VNNI rows.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW/VL/VNNI and F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) unsafe fn block_avx512<const TB: usize>(
+        shape: DotShape,
+        m: &PackedMatrix,
+        rows: Range<usize>,
+        acts: &[ActRow; TB],
+        out: &mut [f32],
+    ) {
+        for (n, o) in rows.zip(out.chunks_exact_mut(TB)) {
+            let (w, s) = m.row(n);
+            // SAFETY: the caller guarantees the CPU features; `row_avx512` checks the slices.
+            o.copy_from_slice(&unsafe { row_avx512(shape, w, s, acts) });
+        }
     }
 }
 
-/// Most activation rows sharing one pass over a weight row.
-const TOKEN_BLOCK: usize = 4;
+/// `out[r · TB + t] = row_{rows.start + r} · acts[t]` for a block of rows of `m`.
+#[inline]
+fn block<const TB: usize>(
+    isa: CpuIsa,
+    shape: DotShape,
+    m: &PackedMatrix,
+    rows: Range<usize>,
+    acts: &[ActRow; TB],
+    out: &mut [f32],
+) {
+    match isa {
+        // SAFETY: `routed_forward` checked that `isa` is available on this CPU.
+        #[cfg(target_arch = "x86_64")]
+        CpuIsa::Avx2 => unsafe { x86::block_avx2(shape, m, rows, acts, out) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        CpuIsa::Avx512Vnni => unsafe { x86::block_avx512(shape, m, rows, acts, out) },
+        _ => {
+            for (n, o) in rows.zip(out.chunks_exact_mut(TB)) {
+                let (w, s) = m.row(n);
+                o.copy_from_slice(&dot_scalar(shape, w, s, acts));
+            }
+        }
+    }
+}
 
-/// `out[i] = row · acts[i]` for any number of activation rows, in blocks of [`TOKEN_BLOCK`].
-fn dot_rows(isa: CpuIsa, shape: DotShape, w: &[u8], s: &[u8], acts: &[ActRow], out: &mut [f32]) {
-    for (a, o) in acts.chunks(TOKEN_BLOCK).zip(out.chunks_mut(TOKEN_BLOCK)) {
-        match a.len() {
-            4 => o.copy_from_slice(&dot::<4>(isa, shape, w, s, a.try_into().unwrap())),
-            3 => o.copy_from_slice(&dot::<3>(isa, shape, w, s, a.try_into().unwrap())),
-            2 => o.copy_from_slice(&dot::<2>(isa, shape, w, s, a.try_into().unwrap())),
-            _ => o.copy_from_slice(&dot::<1>(isa, shape, w, s, a.try_into().unwrap())),
+/// Most activation rows sharing one pass over a weight row: as many as keep every
+/// accumulator in registers (32 vector registers on AVX-512, 16 otherwise).
+fn token_block(isa: CpuIsa) -> usize {
+    match isa {
+        CpuIsa::Avx512Vnni => 8,
+        _ => 4,
+    }
+}
+
+/// `out[r · acts.len() + i] = row_{rows.start + r} · acts[i]` for any number of activation
+/// rows, taken in blocks of [`token_block`].
+fn block_rows(
+    isa: CpuIsa,
+    shape: DotShape,
+    m: &PackedMatrix,
+    rows: Range<usize>,
+    acts: &[ActRow],
+    out: &mut [f32],
+) {
+    let (n_rows, n_acts, tbmax) = (rows.len(), acts.len(), token_block(isa));
+    let mut tmp = vec![0f32; n_rows * tbmax];
+    for (ci, a) in acts.chunks(tbmax).enumerate() {
+        let tb = a.len();
+        let tmp = &mut tmp[..n_rows * tb];
+        let r = rows.clone();
+        match tb {
+            8 => block::<8>(isa, shape, m, r, a.try_into().unwrap(), tmp),
+            7 => block::<7>(isa, shape, m, r, a.try_into().unwrap(), tmp),
+            6 => block::<6>(isa, shape, m, r, a.try_into().unwrap(), tmp),
+            5 => block::<5>(isa, shape, m, r, a.try_into().unwrap(), tmp),
+            4 => block::<4>(isa, shape, m, r, a.try_into().unwrap(), tmp),
+            3 => block::<3>(isa, shape, m, r, a.try_into().unwrap(), tmp),
+            2 => block::<2>(isa, shape, m, r, a.try_into().unwrap(), tmp),
+            _ => block::<1>(isa, shape, m, r, a.try_into().unwrap(), tmp),
+        }
+        for (r, vals) in tmp.chunks_exact(tb).enumerate() {
+            let start = r * n_acts + ci * tbmax;
+            out[start..start + tb].copy_from_slice(vals);
         }
     }
 }
@@ -409,16 +553,21 @@ pub fn routed_forward<'a>(
             let m = matrix(*e, false);
             let rows = b * ROW_BLOCK..((b + 1) * ROW_BLOCK).min(inter);
             let a: Vec<ActRow> = slots.iter().map(|&s| acts.row(s / k)).collect();
-            let (mut gate, mut up) = (vec![0f32; slots.len()], vec![0f32; slots.len()]);
-            let mut out = Vec::with_capacity(rows.len() * slots.len());
-            for n in rows {
-                let (w, s) = m.row(n);
-                dot_rows(isa, shape_gu, w, s, &a, &mut gate);
-                let (w, s) = m.row(inter + n);
-                dot_rows(isa, shape_gu, w, s, &a, &mut up);
-                out.extend(gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u));
+            let mut gate = vec![0f32; rows.len() * slots.len()];
+            let mut up = vec![0f32; rows.len() * slots.len()];
+            block_rows(isa, shape_gu, &m, rows.clone(), &a, &mut gate);
+            block_rows(
+                isa,
+                shape_gu,
+                &m,
+                inter + rows.start..inter + rows.end,
+                &a,
+                &mut up,
+            );
+            for (g, u) in gate.iter_mut().zip(&up) {
+                *g = silu(*g) * u;
             }
-            out
+            gate
         })
         .collect();
     let mut hidden = vec![0f32; tokens * k * inter];
@@ -447,11 +596,10 @@ pub fn routed_forward<'a>(
             for (e, slots) in &plan.groups {
                 let m = matrix(*e, true);
                 let a: Vec<ActRow> = slots.iter().map(|&s| hq.row(s)).collect();
-                y.resize(slots.len(), 0f32);
-                for (r, n) in rows.clone().enumerate() {
-                    let (w, s) = m.row(n);
-                    dot_rows(isa, shape_dn, w, s, &a, &mut y);
-                    for (&slot, &v) in slots.iter().zip(&y) {
+                y.resize(width * slots.len(), 0f32);
+                block_rows(isa, shape_dn, &m, rows.clone(), &a, &mut y);
+                for (r, ys) in y.chunks_exact(slots.len()).enumerate() {
+                    for (&slot, &v) in slots.iter().zip(ys) {
                         local[(slot / k) * width + r] += weights[slot] * v;
                     }
                 }

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Runs layer_bench at both model shapes, decode (T=1) and prefill (T=128), appending one JSON
+# line per run to bench/results/layer-bench-cpu.jsonl. Run on a quiet machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=bench/results/layer-bench-cpu.jsonl
+cargo build --release --example layer_bench
+for shape in olmoe qwen; do
+  for t in 1 128; do
+    ./target/release/examples/layer_bench --shape "$shape" --tokens "$t" --json "$out" | tail -1
+  done
+done

@@ -1,0 +1,201 @@
+//! `SparseMoe` routing and combine against an f64 re-computation of transformers' math.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle::{DType, Device, Module, Tensor};
+use candle_nn::VarBuilder;
+use candle_qmoe::moe::SharedExpert;
+use candle_qmoe::{DenseExperts, SparseMoe};
+use common::{random_experts, reference_f64, Rng};
+
+const H: usize = 48;
+const I: usize = 24;
+const E: usize = 6;
+
+fn tensor(rng: &mut Rng, shape: (usize, usize), std: f32) -> Tensor {
+    Tensor::from_vec(rng.normals(shape.0 * shape.1, std), shape, &Device::Cpu).unwrap()
+}
+
+fn to_f64(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// Router weights, experts and (optionally) a shared expert, plus the block built from them.
+fn block(
+    k: usize,
+    norm: bool,
+    shared: bool,
+    seed: u64,
+) -> (SparseMoe, Tensor, HashMap<String, Tensor>) {
+    let mut rng = Rng::new(seed);
+    let experts = random_experts(&mut rng, E, H, I);
+    let router = tensor(&mut rng, (E, H), 0.3);
+    let mut vars = HashMap::new();
+    vars.insert("gate.weight".to_string(), router.clone());
+    if shared {
+        vars.insert(
+            "shared_expert.gate_proj.weight".into(),
+            tensor(&mut rng, (2 * I, H), 0.05),
+        );
+        vars.insert(
+            "shared_expert.up_proj.weight".into(),
+            tensor(&mut rng, (2 * I, H), 0.05),
+        );
+        vars.insert(
+            "shared_expert.down_proj.weight".into(),
+            tensor(&mut rng, (H, 2 * I), 0.05),
+        );
+        vars.insert(
+            "shared_expert_gate.weight".into(),
+            tensor(&mut rng, (1, H), 0.3),
+        );
+    }
+    let vb = VarBuilder::from_tensors(vars.clone(), DType::F32, &Device::Cpu);
+    let shared_expert = shared.then(|| SharedExpert::new(H, 2 * I, vb.clone()).unwrap());
+    let moe = SparseMoe::new(
+        SparseMoe::load_router(H, E, vb).unwrap(),
+        Arc::new(DenseExperts::new(experts.clone()).unwrap()),
+        k,
+        norm,
+        shared_expert,
+    )
+    .unwrap();
+    let xs = tensor(&mut rng, (5, H), 1.0);
+    for (e, x) in experts.iter().enumerate() {
+        vars.insert(format!("experts.{e}.gate"), x.gate.clone());
+        vars.insert(format!("experts.{e}.up"), x.up.clone());
+        vars.insert(format!("experts.{e}.down"), x.down.clone());
+    }
+    (moe, xs, vars)
+}
+
+/// softmax → top-k → optional renormalisation → Σ w·expert (+ sigmoid(g)·shared), in f64.
+fn reference(
+    xs: &Tensor,
+    vars: &HashMap<String, Tensor>,
+    k: usize,
+    norm: bool,
+) -> (Vec<f64>, Vec<Vec<usize>>) {
+    let (t, _) = xs.dims2().unwrap();
+    let x = to_f64(xs);
+    let router = to_f64(&vars["gate.weight"]);
+    let experts: Vec<_> = (0..E)
+        .map(|e| candle_qmoe::pack::DenseExpert {
+            gate: vars[&format!("experts.{e}.gate")].clone(),
+            up: vars[&format!("experts.{e}.up")].clone(),
+            down: vars[&format!("experts.{e}.down")].clone(),
+        })
+        .collect();
+    let (mut ids, mut ws, mut chosen) = (vec![], vec![], vec![]);
+    for ti in 0..t {
+        let logits: Vec<f64> = (0..E)
+            .map(|e| (0..H).map(|h| router[e * H + h] * x[ti * H + h]).sum())
+            .collect();
+        let m = logits.iter().cloned().fold(f64::MIN, f64::max);
+        let z: f64 = logits.iter().map(|l| (l - m).exp()).sum();
+        let mut p: Vec<(usize, f64)> = logits
+            .iter()
+            .map(|l| (l - m).exp() / z)
+            .enumerate()
+            .collect();
+        p.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let top = &p[..k];
+        let s: f64 = if norm {
+            top.iter().map(|e| e.1).sum()
+        } else {
+            1.0
+        };
+        chosen.push(top.iter().map(|e| e.0).collect());
+        ids.extend(top.iter().map(|e| e.0 as u32));
+        ws.extend(top.iter().map(|e| (e.1 / s) as f32));
+    }
+    let xs32: Vec<f32> = x.iter().map(|&v| v as f32).collect();
+    let mut out = reference_f64(&experts, &xs32, &ids, &ws, k);
+    if vars.contains_key("shared_expert_gate.weight") {
+        let g = to_f64(&vars["shared_expert.gate_proj.weight"]);
+        let u = to_f64(&vars["shared_expert.up_proj.weight"]);
+        let d = to_f64(&vars["shared_expert.down_proj.weight"]);
+        let sg = to_f64(&vars["shared_expert_gate.weight"]);
+        for ti in 0..t {
+            let xr = &x[ti * H..(ti + 1) * H];
+            let dot = |w: &[f64], r: usize, n: usize, v: &[f64]| -> f64 {
+                (0..n).map(|c| w[r * n + c] * v[c]).sum()
+            };
+            let hmid: Vec<f64> = (0..2 * I)
+                .map(|r| {
+                    let gv = dot(&g, r, H, xr);
+                    gv / (1.0 + (-gv).exp()) * dot(&u, r, H, xr)
+                })
+                .collect();
+            let gate = 1.0 / (1.0 + (-dot(&sg, 0, H, xr)).exp());
+            for n in 0..H {
+                out[ti * H + n] += gate * dot(&d, n, 2 * I, &hmid);
+            }
+        }
+    }
+    (out, chosen)
+}
+
+#[test]
+fn sparse_moe_matches_f64_reference() {
+    for (k, norm, shared) in [
+        (2, false, false),
+        (3, true, false),
+        (4, false, true),
+        (6, true, true),
+    ] {
+        let (moe, xs, vars) = block(k, norm, shared, k as u64 + 10 * norm as u64);
+        let (out, routing) = moe.forward_with_routing(&xs).unwrap();
+        let (want, chosen) = reference(&xs, &vars, k, norm);
+        let ids = routing.expert_ids.to_vec2::<u32>().unwrap();
+        for (got, want) in ids.iter().zip(&chosen) {
+            assert_eq!(
+                got.iter().map(|&e| e as usize).collect::<Vec<_>>(),
+                *want,
+                "top-{k} order"
+            );
+        }
+        let got = to_f64(&out);
+        let err = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).powi(2))
+            .sum::<f64>()
+            .sqrt()
+            / want.iter().map(|b| b * b).sum::<f64>().sqrt();
+        // F32 arithmetic over K ≤ 2·48 terms: ~1e-7 per op; 1e-5 leaves ample margin.
+        assert!(
+            err < 1e-5,
+            "k {k} norm {norm} shared {shared}: rel err {err}"
+        );
+        // Module::forward keeps the leading dims of a [B, S, H] input.
+        let y = moe.forward(&xs.unsqueeze(0).unwrap()).unwrap();
+        assert_eq!(y.dims(), &[1, 5, H]);
+    }
+}
+
+#[test]
+fn bad_block_configs_are_clear_errors() {
+    let mut rng = Rng::new(1);
+    let experts = Arc::new(DenseExperts::new(random_experts(&mut rng, E, H, I)).unwrap());
+    let router = || candle_nn::Linear::new(tensor(&mut Rng::new(2), (E, H), 0.1), None);
+    let e = SparseMoe::new(router(), experts.clone(), E + 1, false, None).unwrap_err();
+    assert!(e.to_string().contains("top-k = 7 with 6 experts"), "{e}");
+    let e = SparseMoe::new(router(), experts.clone(), 0, false, None).unwrap_err();
+    assert!(e.to_string().contains("top-k = 0"), "{e}");
+    let bad_router = candle_nn::Linear::new(tensor(&mut rng, (E, H + 1), 0.1), None);
+    let e = SparseMoe::new(bad_router, experts, 2, false, None).unwrap_err();
+    assert!(e.to_string().contains("router"), "{e}");
+    assert!(DenseExperts::new(vec![])
+        .unwrap_err()
+        .to_string()
+        .contains("zero experts"));
+}
