@@ -62,20 +62,6 @@ fn rel_err(a: &Tensor, b: &Tensor) -> Result<f64> {
     Ok((d.to_scalar::<f64>()? / n.to_scalar::<f64>()?).sqrt())
 }
 
-fn dequantized(pack: &LayerPack) -> Result<Vec<DenseExpert>> {
-    let l = pack.layout();
-    (0..pack.num_experts())
-        .map(|e| {
-            let (g, u, d) = pack.slab(e).dequantize();
-            Ok(DenseExpert {
-                gate: Tensor::from_vec(g, (l.intermediate, l.hidden), &Device::Cpu)?,
-                up: Tensor::from_vec(u, (l.intermediate, l.hidden), &Device::Cpu)?,
-                down: Tensor::from_vec(d, (l.hidden, l.intermediate), &Device::Cpu)?,
-            })
-        })
-        .collect()
-}
-
 /// Bytes/s of a parallel read (sum) and a parallel copy over a buffer far larger than caches.
 fn memory_bandwidth() -> (f64, f64) {
     let n = 64 << 20; // 512 MiB of u64
@@ -184,12 +170,13 @@ fn main() -> Result<()> {
 
     // Accuracy on the first routing.
     let (xs, ids, w) = &routings[0];
-    let deq = DenseExperts::new(dequantized(&pack)?)?;
+    let deq = DenseExperts::new(pack.dequantize_experts(DType::F32, &dev)?)?;
     let deq_out = deq.forward(xs, ids, w)?;
     let exact = f32_experts.forward(xs, ids, w)?;
     let kernel_rel_err = rel_err(&int4.forward(xs, ids, w)?, &deq_out)?;
     let quant_rel_err = rel_err(&deq_out, &exact)?;
-    let rtn_out = DenseExperts::new(dequantized(&rtn)?)?.forward(xs, ids, w)?;
+    let rtn_out =
+        DenseExperts::new(rtn.dequantize_experts(DType::F32, &dev)?)?.forward(xs, ids, w)?;
     let rtn_quant_rel_err = rel_err(&rtn_out, &exact)?;
     drop((deq, rtn));
 

@@ -4,7 +4,7 @@ mod common;
 
 use candle::{Device, Tensor};
 use candle_qmoe::kernels::cpu::CpuIsa;
-use candle_qmoe::pack::{DenseExpert, ExpertLayout, GroupSize, LayerPack, ScaleSearch};
+use candle_qmoe::pack::{ExpertLayout, GroupSize, LayerPack, ScaleSearch};
 use candle_qmoe::{DenseExperts, Int4Experts, RoutedExperts};
 use common::{random_experts, random_routing, reference_f64, rel_err, Rng};
 
@@ -17,21 +17,6 @@ struct Case {
     group: usize,
 }
 
-fn dequantized(pack: &LayerPack) -> Vec<DenseExpert> {
-    let l = pack.layout();
-    (0..pack.num_experts())
-        .map(|e| {
-            let (g, u, d) = pack.slab(e).dequantize();
-            let dev = Device::Cpu;
-            DenseExpert {
-                gate: Tensor::from_vec(g, (l.intermediate, l.hidden), &dev).unwrap(),
-                up: Tensor::from_vec(u, (l.intermediate, l.hidden), &dev).unwrap(),
-                down: Tensor::from_vec(d, (l.hidden, l.intermediate), &dev).unwrap(),
-            }
-        })
-        .collect()
-}
-
 fn run(case: &Case, seed: u64) {
     let mut rng = Rng::new(seed);
     let experts = random_experts(&mut rng, case.experts, case.hidden, case.inter);
@@ -41,7 +26,9 @@ fn run(case: &Case, seed: u64) {
         group_size: GroupSize::new(case.group).unwrap(),
     };
     let pack = LayerPack::quantize("layer", &experts, layout, ScaleSearch::Mse).unwrap();
-    let deq = dequantized(&pack);
+    let deq = pack
+        .dequantize_experts(candle::DType::F32, &Device::Cpu)
+        .unwrap();
     // Activations of RMSNorm-ed scale (~1) with a few outliers, as hidden states have.
     let mut xs = rng.normals(case.tokens * case.hidden, 1.0);
     for v in xs.iter_mut().step_by(61) {

@@ -1,8 +1,13 @@
 //! The routed-experts swap point: [`RoutedExperts`] and its dense and INT4 implementations.
 
 use candle::quantized::{GgmlDType, QMatMul, QTensor};
-use candle::{CpuStorage, CustomOp3, DType, Layout, Module, Shape, Tensor, D};
+#[cfg(feature = "cuda")]
+use std::sync::{Arc, Mutex};
 
+use candle::{CpuStorage, CustomOp3, DType, Device, Layout, Module, Shape, Tensor, D};
+
+#[cfg(feature = "cuda")]
+use crate::kernels::cuda;
 use crate::kernels::{cpu, RoutePlan};
 use crate::pack::{DenseExpert, ExpertLayout, LayerPack};
 use crate::QmoeError;
@@ -204,10 +209,16 @@ impl RoutedExperts for GgmlExperts {
 }
 
 /// Routed experts computed by the fused W4A16 kernels straight from a [`LayerPack`].
+///
+/// On a CPU device the SIMD kernel of [`cpu`] runs on the host pack. On a CUDA device (feature
+/// `cuda`) the slabs are uploaded once per device — on the first forward or by
+/// [`Int4Experts::to_device`] — and the CUDA kernels run on them.
 #[derive(Clone, Debug)]
 pub struct Int4Experts {
     pack: LayerPack,
     isa: cpu::CpuIsa,
+    #[cfg(feature = "cuda")]
+    resident: Arc<Mutex<Vec<Arc<cuda::DeviceExperts>>>>,
 }
 
 impl Int4Experts {
@@ -224,7 +235,12 @@ impl Int4Experts {
         } else {
             cpu::CpuIsa::detect()
         };
-        Self { pack, isa }
+        Self {
+            pack,
+            isa,
+            #[cfg(feature = "cuda")]
+            resident: Arc::default(),
+        }
     }
 
     /// The packed experts.
@@ -235,6 +251,48 @@ impl Int4Experts {
     /// The slab layout.
     pub fn layout(&self) -> ExpertLayout {
         self.pack.layout()
+    }
+
+    /// Makes the experts resident on `device` ahead of the first forward: a no-op on the CPU,
+    /// one host → device copy of every slab on a CUDA device (done once per device).
+    pub fn to_device(&self, device: &Device) -> candle::Result<()> {
+        match device {
+            Device::Cpu => Ok(()),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(dev) => self.device_experts(dev).map(|_| ()),
+            _ => candle::bail!("int4 routed experts: unsupported device {device:?}"),
+        }
+    }
+
+    /// The copy of the experts resident on `dev`, uploaded on first use.
+    #[cfg(feature = "cuda")]
+    pub fn device_experts(
+        &self,
+        dev: &candle::CudaDevice,
+    ) -> candle::Result<Arc<cuda::DeviceExperts>> {
+        let mut resident = self.resident.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(d) = resident.iter().find(|d| d.device().id() == dev.id()) {
+            return Ok(d.clone());
+        }
+        let d = Arc::new(cuda::DeviceExperts::upload(&self.pack, dev)?);
+        resident.push(d.clone());
+        Ok(d)
+    }
+
+    /// [`RoutedExperts::forward`] on a CUDA device with a chosen kernel path; with `poison` every
+    /// buffer the kernels write is NaN-filled first (for correctness checks).
+    #[cfg(feature = "cuda")]
+    pub fn forward_cuda(
+        &self,
+        xs: &Tensor,
+        expert_ids: &Tensor,
+        weights: &Tensor,
+        path: cuda::CudaPath,
+        poison: bool,
+    ) -> candle::Result<Tensor> {
+        check_call(xs, expert_ids, weights, self.hidden_size())?;
+        self.device_experts(xs.device().as_cuda_device()?)?
+            .forward_tensors(xs, expert_ids, weights, path, poison)
     }
 }
 
@@ -252,6 +310,11 @@ impl RoutedExperts for Int4Experts {
         weights: &Tensor,
     ) -> candle::Result<Tensor> {
         check_call(xs, expert_ids, weights, self.hidden_size())?;
+        #[cfg(feature = "cuda")]
+        if xs.device().is_cuda() {
+            let (x, ids, w) = cuda::kernel_inputs(xs, expert_ids, weights)?;
+            return x.apply_op3_no_bwd(&ids, &w, self)?.to_dtype(xs.dtype());
+        }
         let x = xs.to_dtype(DType::F32)?.contiguous()?;
         let ids = expert_ids.to_dtype(DType::U32)?.contiguous()?;
         let w = weights.to_dtype(DType::F32)?.contiguous()?;
@@ -299,5 +362,20 @@ impl CustomOp3 for Int4Experts {
             w,
         );
         Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle::CudaStorage,
+        l1: &Layout,
+        s2: &candle::CudaStorage,
+        l2: &Layout,
+        s3: &candle::CudaStorage,
+        l3: &Layout,
+    ) -> candle::Result<(candle::CudaStorage, Shape)> {
+        let experts = self.device_experts(&s1.device)?;
+        let out = experts.forward(s1, l1, s2, l2, s3, l3, cuda::CudaPath::Auto, false)?;
+        Ok((out, l1.shape().clone()))
     }
 }

@@ -5,15 +5,68 @@
 //! * [`experts`] — the [`RoutedExperts`] trait with the dense oracle and the INT4 backend.
 //! * [`moe`] — [`SparseMoe`]: router → softmax → top-k → routed experts (+ shared expert).
 //! * [`mlp`] — the gated SiLU MLP used by dense layers and shared experts.
-//! * [`synthetic`] — deterministic random weights and routings with realistic scales.
+//! * [`models`] — Candle-style OLMoE and Qwen2-MoE ports on [`SparseMoe`], checkpoint loading,
+//!   fingerprints and `.qmoe` packs of a checkpoint's experts.
+//! * [`generation`] — the generation loop with prefill/decode timings.
+//! * [`parity`] — fidelity metrics against a transformers golden file.
+//! * [`synthetic`] — deterministic random weights and routings with realistic scales, and whole
+//!   synthetic models with the real shapes.
+//!
+//! # From a model folder to a model with INT4 experts
+//!
+//! The routed experts come from a `.qmoe` pack (quantized once, memory-mapped afterwards; a pack
+//! made from another checkpoint is refused), everything else from the memory-mapped checkpoint.
+//! The example runs offline on the synthetic tiny model, which has OLMoE's layout and
+//! vocabulary but random weights (so its tokens are nonsense).
+//!
+//! ```
+//! use std::path::Path;
+//! use std::sync::Arc;
+//!
+//! use candle::{DType, Device};
+//! use candle_qmoe::generation::{argmax, generate};
+//! use candle_qmoe::models::{self, AnyConfig, MoeForCausalLm, PackedExperts, QuantizeOptions};
+//! use candle_qmoe::pack::{GroupSize, PackFile};
+//! use candle_qmoe::synthetic::{SyntheticKind, SyntheticModel};
+//!
+//! /// A Hugging Face checkpoint folder (OLMoE or Qwen1.5-MoE) with its experts from the pack at
+//! /// `pack_path`, which is created on first use.
+//! fn from_folder(dir: &Path, pack_path: &Path, device: &Device) -> candle::Result<MoeForCausalLm> {
+//!     if !pack_path.exists() {
+//!         let opts = QuantizeOptions { group_size: GroupSize::new(128)?, ..Default::default() };
+//!         models::quantize_checkpoint(dir, &opts, &|_done, _total| {})?.save(pack_path)?;
+//!     }
+//!     let pack = Arc::new(PackFile::open(pack_path)?);
+//!     let experts = PackedExperts::for_checkpoint(pack, dir)?;
+//!     let config = AnyConfig::from_file(dir.join("config.json"))?;
+//!     // SAFETY: the checkpoint files are not modified while the model is alive.
+//!     let vb = unsafe { models::mmap_checkpoint(dir, DType::BF16, device)? };
+//!     MoeForCausalLm::new(&config, vb, &experts)
+//! }
+//!
+//! # fn main() -> candle::Result<()> {
+//! # let _ = from_folder;
+//! // Offline: a synthetic model whose experts are generated directly as INT4 slabs.
+//! let synth = SyntheticModel::new(SyntheticKind::Tiny, 42, GroupSize::default())?;
+//! let mut model = synth.load(DType::F32, &Device::Cpu, &synth.int4_experts())?;
+//!
+//! // A few greedy tokens with the KV cache.
+//! let prompt = [50279u32, 510, 3158, 8516];
+//! let out = generate(&mut model, &prompt, 5, &[], argmax, |_token| Ok(()))?;
+//! assert_eq!(out.tokens.len(), 5);
+//! println!("{:?}, {:.1} tok/s", out.tokens, out.decode_tokens_per_s().unwrap());
+//! # Ok(()) }
+//! ```
 
 pub mod error;
 pub mod experts;
+pub mod generation;
 pub mod kernels;
 pub mod mlp;
 pub mod models;
 pub mod moe;
 pub mod pack;
+pub mod parity;
 pub mod synthetic;
 
 pub use error::QmoeError;

@@ -119,15 +119,24 @@ impl SparseMoe {
         vb: VarBuilder,
     ) -> candle::Result<Vec<DenseExpert>> {
         (0..num_experts)
-            .map(|e| {
-                let vb = vb.pp("experts").pp(e);
-                Ok(DenseExpert {
-                    gate: vb.get((intermediate, hidden), "gate_proj.weight")?,
-                    up: vb.get((intermediate, hidden), "up_proj.weight")?,
-                    down: vb.get((hidden, intermediate), "down_proj.weight")?,
-                })
-            })
+            .map(|e| Self::load_dense_expert(hidden, intermediate, e, vb.clone()))
             .collect()
+    }
+
+    /// Loads the dense weights of expert `e` (`experts.{e}.{gate,up,down}_proj`) from the MoE
+    /// block's VarBuilder.
+    pub fn load_dense_expert(
+        hidden: usize,
+        intermediate: usize,
+        e: usize,
+        vb: VarBuilder,
+    ) -> candle::Result<DenseExpert> {
+        let vb = vb.pp("experts").pp(e);
+        Ok(DenseExpert {
+            gate: vb.get((intermediate, hidden), "gate_proj.weight")?,
+            up: vb.get((intermediate, hidden), "up_proj.weight")?,
+            down: vb.get((hidden, intermediate), "down_proj.weight")?,
+        })
     }
 
     /// The routed-experts backend.

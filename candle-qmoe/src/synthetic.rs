@@ -1,11 +1,31 @@
 //! Deterministic random weights, activations and routings with realistic scales, for
 //! benchmarks, tests and offline demos (no download needed).
+//!
+//! [`SyntheticModel`] builds a whole model with the real shapes of OLMoE-1B-7B or
+//! Qwen1.5-MoE-A2.7B (or a tiny one) in seconds: random non-expert weights (uniform, std 0.02,
+//! norms = 1) in a VarBuilder and the routed experts generated directly as random INT4 slabs in
+//! an in-memory [`PackFile`]. Random weights produce nonsense text; they exercise exactly the code
+//! and memory traffic of the real model.
 
-use candle::{Device, Tensor};
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use candle::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use half::f16;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 
-use crate::pack::DenseExpert;
+use crate::models::{
+    AnyConfig, ExpertsLoader, FfnSpec, ModelConfig, ModelSpec, MoeForCausalLm, PackedExperts,
+};
+use crate::pack::file::checkpoint_fingerprint;
+use crate::pack::layout::nibble_position;
+use crate::pack::{
+    DenseExpert, ExpertLayout, GroupSize, LayerPack, PackFile, PackMeta, ScaleSearch,
+};
+use crate::QmoeError;
 
 /// `n` normal samples with standard deviation `std` from seed `seed` (Box–Muller).
 pub fn gaussian(seed: u64, n: usize, std: f32) -> Vec<f32> {
@@ -65,4 +85,549 @@ pub fn random_routing(seed: u64, tokens: usize, k: usize, experts: usize) -> (Ve
         weights.extend(logits.iter().map(|l| l.exp() / z));
     }
     (ids, weights)
+}
+
+/// Standard deviation of the synthetic weights (a typical LLM init scale).
+pub const WEIGHT_STD: f32 = 0.02;
+
+/// The synthetic model shapes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SyntheticKind {
+    /// OLMoE layout with small dims (2 layers, H 256, 8 experts top-2, I 128) and OLMoE's real
+    /// vocabulary (50304), so a real tokenizer works with it: builds in well under a second.
+    Tiny,
+    /// OLMoE-1B-7B: 16 layers, H 2048, 64 experts top-8, I 1024, q/k norm, vocab 50304.
+    Olmoe,
+    /// Qwen1.5-MoE-A2.7B: 24 layers, H 2048, 60 experts top-4, I 1408, shared expert 5632,
+    /// q/k/v bias, vocab 151936.
+    Qwen2Moe,
+}
+
+impl SyntheticKind {
+    /// Every kind.
+    pub const ALL: [Self; 3] = [Self::Tiny, Self::Olmoe, Self::Qwen2Moe];
+
+    /// The name used on command lines (`tiny`, `olmoe`, `qwen2moe`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Tiny => "tiny",
+            Self::Olmoe => "olmoe",
+            Self::Qwen2Moe => "qwen2moe",
+        }
+    }
+
+    /// The Hugging Face `config.json` of this shape.
+    pub fn config_json(self) -> serde_json::Value {
+        use serde_json::json;
+        let olmoe =
+            |layers: usize, hidden: usize, heads: usize, inter: usize, experts: usize, k: usize| {
+                json!({
+                    "architectures": ["OlmoeForCausalLM"],
+                    "model_type": "olmoe",
+                    "vocab_size": 50304,
+                    "hidden_size": hidden,
+                    "intermediate_size": inter,
+                    "num_hidden_layers": layers,
+                    "num_attention_heads": heads,
+                    "num_key_value_heads": heads,
+                    "max_position_embeddings": 4096,
+                    "rms_norm_eps": 1e-5,
+                    "rope_theta": 10000.0,
+                    "num_experts": experts,
+                    "num_experts_per_tok": k,
+                    "norm_topk_prob": false,
+                    "clip_qkv": null,
+                    "attention_bias": false,
+                    "tie_word_embeddings": false,
+                    "hidden_act": "silu",
+                    "bos_token_id": null,
+                    "eos_token_id": 50279,
+                    "pad_token_id": 1
+                })
+            };
+        match self {
+            Self::Tiny => olmoe(2, 256, 4, 128, 8, 2),
+            Self::Olmoe => olmoe(16, 2048, 16, 1024, 64, 8),
+            Self::Qwen2Moe => json!({
+                "architectures": ["Qwen2MoeForCausalLM"],
+                "model_type": "qwen2_moe",
+                "vocab_size": 151936,
+                "hidden_size": 2048,
+                "intermediate_size": 5632,
+                "moe_intermediate_size": 1408,
+                "shared_expert_intermediate_size": 5632,
+                "num_hidden_layers": 24,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 16,
+                "max_position_embeddings": 8192,
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 1000000.0,
+                "num_experts": 60,
+                "num_experts_per_tok": 4,
+                "norm_topk_prob": false,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+                "use_sliding_window": false,
+                "tie_word_embeddings": false,
+                "hidden_act": "silu",
+                "bos_token_id": 151643,
+                "eos_token_id": 151643
+            }),
+        }
+    }
+}
+
+impl std::fmt::Display for SyntheticKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for SyntheticKind {
+    type Err = QmoeError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| {
+                QmoeError::Config(format!(
+                    "unknown synthetic model `{s}` (use one of: tiny, olmoe, qwen2moe)"
+                ))
+            })
+    }
+}
+
+/// SplitMix64: a tiny, fast, statistically decent generator for bulk random bytes.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)` from 24 random bits.
+    fn unit(&mut self) -> f32 {
+        unit24(self.next() >> 40)
+    }
+}
+
+/// The low 24 bits of `bits` as a value uniform in `[0, 1)`.
+fn unit24(bits: u64) -> f32 {
+    (bits & 0xff_ffff) as f32 / (1u32 << 24) as f32
+}
+
+/// A seed derived from `seed` and a stream index, decorrelated by one SplitMix64 step.
+fn derive_seed(seed: u64, stream: u64) -> u64 {
+    SplitMix64(seed ^ stream.wrapping_mul(0xD1B5_4A32_D192_ED03)).next()
+}
+
+/// A seed for the tensor `name` (FNV-1a of the name).
+fn name_seed(seed: u64, name: &str) -> u64 {
+    let h = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    });
+    derive_seed(seed, h)
+}
+
+/// `n` values uniform in `[-std·√3, std·√3]` (standard deviation `std`), generated in parallel
+/// chunks whose seeds depend only on `seed` and the chunk index, so the result does not depend
+/// on the number of threads.
+pub fn uniform(seed: u64, n: usize, std: f32) -> Vec<f32> {
+    const CHUNK: usize = 1 << 16;
+    let a = std * 3f32.sqrt();
+    let mut v = vec![0f32; n];
+    v.par_chunks_mut(CHUNK).enumerate().for_each(|(c, out)| {
+        let mut rng = SplitMix64(derive_seed(seed, c as u64));
+        for pair in out.chunks_mut(2) {
+            let r = rng.next();
+            for (x, bits) in pair.iter_mut().zip([r, r >> 32]) {
+                *x = (2.0 * unit24(bits) - 1.0) * a;
+            }
+        }
+    });
+    v
+}
+
+/// FP16 scale of a synthetic expert: levels `-7..=7` times this span `±WEIGHT_STD·√3`, the same
+/// range as the uniform non-expert weights.
+fn synthetic_scale() -> f32 {
+    WEIGHT_STD * 3f32.sqrt() / 7.0
+}
+
+/// Maps 16 random bits to a byte of two nibbles in `1..=15` (levels `-7..=7`), each pair of
+/// levels equally likely to within 0.4%.
+fn level_pair_table() -> Vec<u8> {
+    (0..1u32 << 16)
+        .map(|x| {
+            let pair = (x * 225) >> 16;
+            (1 + pair % 15) as u8 | (((1 + pair / 15) as u8) << 4)
+        })
+        .collect()
+}
+
+/// Fills one expert slab with random levels in `-7..=7` (zero in padding columns) and random
+/// FP16 scales within ±25% of [`synthetic_scale`]. `pairs` is [`level_pair_table`].
+fn random_slab(layout: ExpertLayout, seed: u64, pairs: &[u8], slab: &mut [u8]) {
+    let mut rng = SplitMix64(seed);
+    let o = layout.offsets();
+    for (start, m) in [
+        (o.gate_up_weights, layout.gate_up()),
+        (o.down_weights, layout.down()),
+    ] {
+        let weights = &mut slab[start..start + m.weight_bytes()];
+        for four in weights.chunks_mut(4) {
+            let r = rng.next();
+            for (j, b) in four.iter_mut().enumerate() {
+                *b = pairs[(r >> (16 * j)) as usize & 0xffff];
+            }
+        }
+        for row in weights.chunks_exact_mut(m.row_bytes()) {
+            for col in m.cols..m.padded_cols() {
+                let (byte, half) = nibble_position(col);
+                row[byte] = (row[byte] & !(0xf << (4 * half))) | (8 << (4 * half));
+            }
+        }
+    }
+    let base = synthetic_scale();
+    for (start, m) in [
+        (o.gate_up_scales, layout.gate_up()),
+        (o.down_scales, layout.down()),
+    ] {
+        for d in slab[start..start + 2 * m.scale_count()].chunks_exact_mut(2) {
+            let s = f16::from_f32(base * (0.75 + 0.5 * rng.unit()));
+            d.copy_from_slice(&s.to_le_bytes());
+        }
+    }
+}
+
+/// `num_experts` random INT4 expert slabs of one layer, generated in parallel.
+pub fn random_layer_pack(
+    seed: u64,
+    layout: ExpertLayout,
+    num_experts: usize,
+) -> Result<LayerPack, QmoeError> {
+    let n = layout.slab_bytes();
+    let pairs = level_pair_table();
+    // SAFETY: all-zero bytes are valid `u8`s. Filling the shared buffer in place avoids a copy
+    // of the whole layer (gigabytes for the full-size shapes).
+    let mut bytes: Arc<[u8]> = unsafe { Arc::new_zeroed_slice(num_experts * n).assume_init() };
+    Arc::get_mut(&mut bytes)
+        .expect("a new Arc is unique")
+        .par_chunks_mut(n)
+        .enumerate()
+        .for_each(|(e, slab)| random_slab(layout, derive_seed(seed, e as u64), &pairs, slab));
+    LayerPack::from_bytes(layout, num_experts, bytes)
+}
+
+/// How a non-expert tensor is initialised.
+#[derive(Clone, Copy)]
+enum Init {
+    Ones,
+    /// Uniform with this standard deviation.
+    Uniform(f32),
+}
+
+/// Standard deviation of the synthetic token embeddings. Embeddings as small as the other
+/// weights are drowned by the first layers' outputs: every position then carries the same state
+/// and a 16-layer model repeats one token with near-constant routing. With unit-scale embeddings
+/// (and residual-scaled output projections, see [`non_expert_tensors`]) each token keeps its
+/// identity, and the routing spreads over all experts as in a real model.
+pub const EMBEDDING_STD: f32 = 1.0;
+
+/// Every tensor the trunk loads except the routed experts, with its shape and initialisation:
+/// norms 1, embeddings [`EMBEDDING_STD`], projections into the residual stream (`o_proj`, dense
+/// and shared `down_proj`) [`WEIGHT_STD`]` / √(2·layers)` as in GPT-2's initialisation, every
+/// other weight and bias [`WEIGHT_STD`].
+fn non_expert_tensors(spec: &ModelSpec) -> Vec<(String, Vec<usize>, Init)> {
+    use Init::Ones;
+    let uniform = Init::Uniform(WEIGHT_STD);
+    let residual = Init::Uniform(WEIGHT_STD / (2.0 * spec.num_layers() as f32).sqrt());
+    let (h, v) = (spec.hidden_size, spec.vocab_size);
+    let q = spec.num_heads * spec.head_dim;
+    let kv = spec.num_kv_heads * spec.head_dim;
+    let a = &spec.attention;
+    let mut out = vec![
+        (
+            "model.embed_tokens.weight".to_string(),
+            vec![v, h],
+            Init::Uniform(EMBEDDING_STD),
+        ),
+        ("model.norm.weight".to_string(), vec![h], Ones),
+    ];
+    if !spec.tie_word_embeddings {
+        out.push(("lm_head.weight".to_string(), vec![v, h], uniform));
+    }
+    let mlp = |out: &mut Vec<_>, p: &str, inter: usize| {
+        for (name, shape) in [
+            ("gate_proj", vec![inter, h]),
+            ("up_proj", vec![inter, h]),
+            ("down_proj", vec![h, inter]),
+        ] {
+            let init = if name == "down_proj" {
+                residual
+            } else {
+                uniform
+            };
+            out.push((format!("{p}.{name}.weight"), shape, init));
+        }
+    };
+    for (i, layer) in spec.layers.iter().enumerate() {
+        let p = format!("model.layers.{i}");
+        out.push((format!("{p}.input_layernorm.weight"), vec![h], Ones));
+        out.push((
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![h],
+            Ones,
+        ));
+        for (name, rows, cols, bias) in [
+            ("q_proj", q, h, a.qkv_bias),
+            ("k_proj", kv, h, a.qkv_bias),
+            ("v_proj", kv, h, a.qkv_bias),
+            ("o_proj", h, q, a.o_bias),
+        ] {
+            let init = if name == "o_proj" { residual } else { uniform };
+            out.push((
+                format!("{p}.self_attn.{name}.weight"),
+                vec![rows, cols],
+                init,
+            ));
+            if bias {
+                out.push((format!("{p}.self_attn.{name}.bias"), vec![rows], uniform));
+            }
+        }
+        if a.qk_norm {
+            out.push((format!("{p}.self_attn.q_norm.weight"), vec![q], Ones));
+            out.push((format!("{p}.self_attn.k_norm.weight"), vec![kv], Ones));
+        }
+        match layer {
+            FfnSpec::Dense { intermediate_size } => {
+                mlp(&mut out, &format!("{p}.mlp"), *intermediate_size)
+            }
+            FfnSpec::Moe(m) => {
+                out.push((
+                    format!("{p}.mlp.gate.weight"),
+                    vec![m.num_experts, h],
+                    uniform,
+                ));
+                if let Some(si) = m.shared_intermediate_size {
+                    mlp(&mut out, &format!("{p}.mlp.shared_expert"), si);
+                    out.push((
+                        format!("{p}.mlp.shared_expert_gate.weight"),
+                        vec![1, h],
+                        uniform,
+                    ));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// A model with the real shapes and deterministic random weights: the non-expert tensors (F32,
+/// on the CPU) for a VarBuilder and the routed experts as an in-memory INT4 [`PackFile`].
+///
+/// The same kind, seed and group size always give the same weights, whatever the thread count.
+pub struct SyntheticModel {
+    kind: SyntheticKind,
+    seed: u64,
+    config_json: String,
+    config: AnyConfig,
+    spec: ModelSpec,
+    tensors: HashMap<String, Tensor>,
+    pack: Arc<PackFile>,
+}
+
+impl SyntheticModel {
+    /// Generates the weights of `kind` from `seed`, with experts packed at `group_size`.
+    pub fn new(kind: SyntheticKind, seed: u64, group_size: GroupSize) -> candle::Result<Self> {
+        let config_json = kind.config_json().to_string();
+        let config = AnyConfig::from_json_str(&config_json)?;
+        let spec = config.spec()?;
+        let tensors = non_expert_tensors(&spec)
+            .into_iter()
+            .map(|(name, shape, init)| {
+                let n = shape.iter().product();
+                let values = match init {
+                    Init::Ones => vec![1f32; n],
+                    Init::Uniform(std) => uniform(name_seed(seed, &name), n, std),
+                };
+                Ok((name, Tensor::from_vec(values, shape, &Device::Cpu)?))
+            })
+            .collect::<candle::Result<HashMap<_, _>>>()?;
+        let moe = spec.uniform_moe()?;
+        let layout = ExpertLayout {
+            hidden: spec.hidden_size,
+            intermediate: moe.intermediate_size,
+            group_size,
+        };
+        let layers = spec
+            .moe_layers()
+            .into_iter()
+            .map(|i| {
+                let s = name_seed(seed, &format!("model.layers.{i}.mlp.experts"));
+                Ok((i, random_layer_pack(s, layout, moe.num_experts)?))
+            })
+            .collect::<Result<Vec<_>, QmoeError>>()?;
+        let meta = PackMeta {
+            layout,
+            num_experts: moe.num_experts,
+            scale_search: ScaleSearch::Rtn,
+            source_model: format!("synthetic:{kind}"),
+            source_revision: format!("seed {seed}"),
+            fingerprint: checkpoint_fingerprint(config_json.as_bytes(), [&seed.to_le_bytes()[..]]),
+        };
+        let pack = Arc::new(PackFile::from_layers(meta, layers)?);
+        Ok(Self {
+            kind,
+            seed,
+            config_json,
+            config,
+            spec,
+            tensors,
+            pack,
+        })
+    }
+
+    /// The shape.
+    pub fn kind(&self) -> SyntheticKind {
+        self.kind
+    }
+
+    /// The seed the weights come from.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// The model's `config.json` text.
+    pub fn config_json(&self) -> &str {
+        &self.config_json
+    }
+
+    /// The parsed config.
+    pub fn config(&self) -> &AnyConfig {
+        &self.config
+    }
+
+    /// The architecture.
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// The routed experts, INT4.
+    pub fn pack(&self) -> &Arc<PackFile> {
+        &self.pack
+    }
+
+    /// The fingerprint the pack records (config and seed).
+    pub fn fingerprint(&self) -> &str {
+        &self.pack.meta().fingerprint
+    }
+
+    /// A VarBuilder over the non-expert weights, converted to `dtype` on `device` as read
+    /// (on the CPU in F32 no copy is made).
+    pub fn var_builder(&self, dtype: DType, device: &Device) -> VarBuilder<'static> {
+        VarBuilder::from_tensors(self.tensors.clone(), dtype, device)
+    }
+
+    /// The routed experts served by the INT4 kernels.
+    pub fn int4_experts(&self) -> PackedExperts {
+        PackedExperts::new(self.pack.clone(), self.fingerprint())
+    }
+
+    /// The routed experts as dense `dtype` tensors (the dequantized slabs); see
+    /// [`Self::dense_expert_bytes`] for their size.
+    pub fn dense_experts(&self, dtype: DType) -> PackedExperts {
+        self.int4_experts().dequantized(dtype)
+    }
+
+    /// Builds the model with non-expert weights in `dtype` on `device` and the given experts
+    /// (e.g. [`Self::int4_experts`]).
+    pub fn load(
+        &self,
+        dtype: DType,
+        device: &Device,
+        experts: &dyn ExpertsLoader,
+    ) -> candle::Result<MoeForCausalLm> {
+        MoeForCausalLm::new(&self.spec, self.var_builder(dtype, device), experts)
+    }
+
+    /// Parameters outside the routed experts.
+    pub fn non_expert_params(&self) -> usize {
+        self.tensors.values().map(|t| t.elem_count()).sum()
+    }
+
+    /// Bytes the routed experts take as dense `dtype` tensors.
+    pub fn dense_expert_bytes(&self, dtype: DType) -> usize {
+        let l = self.pack.meta().layout;
+        let per_expert = 3 * l.hidden * l.intermediate * dtype.size_in_bytes();
+        self.pack.layer_indices().count() * self.pack.meta().num_experts * per_expert
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pack::quant::level_at;
+
+    #[test]
+    fn random_slabs_hold_symmetric_levels_zero_padding_and_realistic_scales() {
+        // K = 48 and 40: both matrices have padding columns up to 64.
+        let layout = ExpertLayout {
+            hidden: 48,
+            intermediate: 40,
+            group_size: GroupSize::new(32).unwrap(),
+        };
+        let pack = random_layer_pack(9, layout, 3).unwrap();
+        let mut counts = [0usize; 16];
+        for e in 0..3 {
+            let slab = pack.slab(e);
+            for (weights, m) in [
+                (slab.gate_up_weights(), layout.gate_up()),
+                (slab.down_weights(), layout.down()),
+            ] {
+                for row in weights.chunks_exact(m.row_bytes()) {
+                    for c in 0..m.padded_cols() {
+                        let q = level_at(row, c);
+                        if c < m.cols {
+                            counts[(q + 8) as usize] += 1;
+                        } else {
+                            assert_eq!(q, 0, "padding column {c}");
+                        }
+                    }
+                }
+            }
+            let (g, u, d) = slab.dequantize();
+            let all: Vec<f32> = g.into_iter().chain(u).chain(d).collect();
+            let var = all.iter().map(|w| w * w).sum::<f32>() / all.len() as f32;
+            assert!((0.015..0.03).contains(&var.sqrt()), "std {}", var.sqrt());
+        }
+        assert_eq!(counts[0], 0, "level -8 is never drawn");
+        assert!(counts[1..].iter().all(|&c| c > 0));
+        // Same seed, same bytes.
+        assert_eq!(
+            random_layer_pack(9, layout, 3).unwrap().bytes(),
+            pack.bytes()
+        );
+    }
+
+    #[test]
+    fn uniform_has_the_requested_std_and_kinds_parse() {
+        let v = uniform(4, 100_000, 0.02);
+        let std = (v.iter().map(|x| x * x).sum::<f32>() / v.len() as f32).sqrt();
+        assert!((std - 0.02).abs() < 5e-4, "{std}");
+        assert!(v.iter().all(|x| x.abs() <= 0.02 * 3f32.sqrt()));
+        for k in SyntheticKind::ALL {
+            assert_eq!(k.name().parse::<SyntheticKind>().unwrap(), k);
+            AnyConfig::from_json_str(&k.config_json().to_string())
+                .unwrap()
+                .spec()
+                .unwrap();
+        }
+        assert!("mixtral".parse::<SyntheticKind>().is_err());
+    }
 }

@@ -144,38 +144,3 @@ pub fn golden_prompt_count(golden: &std::collections::HashMap<String, Tensor>) -
         .take_while(|i| golden.contains_key(&format!("prompt{i}.input_ids")))
         .count()
 }
-
-/// Teacher-forced agreement of two logit matrices `[rows, vocab]` (row-major):
-/// `(top-1 agreement in [0, 1], mean KL(reference ‖ ours) in nats, max |Δlogit|)`.
-pub fn logit_agreement(ours: &[f32], reference: &[f32], vocab: usize) -> (f64, f64, f64) {
-    assert_eq!(ours.len(), reference.len());
-    let argmax = |r: &[f32]| {
-        r.iter()
-            .enumerate()
-            .fold(
-                (0, f32::NEG_INFINITY),
-                |b, (i, &v)| if v > b.1 { (i, v) } else { b },
-            )
-            .0
-    };
-    let log_softmax = |r: &[f32]| -> Vec<f64> {
-        let m = r.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
-        let lse = m + r.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
-        r.iter().map(|&v| v as f64 - lse).collect()
-    };
-    let rows = ours.len() / vocab;
-    let (mut agree, mut kl, mut max_abs) = (0usize, 0f64, 0f64);
-    for (o, r) in ours.chunks_exact(vocab).zip(reference.chunks_exact(vocab)) {
-        agree += (argmax(o) == argmax(r)) as usize;
-        let (lo, lr) = (log_softmax(o), log_softmax(r));
-        kl += lr
-            .iter()
-            .zip(&lo)
-            .map(|(a, b)| a.exp() * (a - b))
-            .sum::<f64>();
-        for (a, b) in o.iter().zip(r) {
-            max_abs = max_abs.max((a - b).abs() as f64);
-        }
-    }
-    (agree as f64 / rows as f64, kl / rows as f64, max_abs)
-}

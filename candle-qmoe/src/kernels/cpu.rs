@@ -374,8 +374,8 @@ mod x86 {
             }
             if c < c1 {
                 let w0 = decode_avx512(wp, c);
-                for t in 0..TB {
-                    even[t] = _mm512_dpwssd_epi32(even[t], w0, xload(t, c));
+                for (t, e) in even.iter_mut().enumerate() {
+                    *e = _mm512_dpwssd_epi32(*e, w0, xload(t, c));
                 }
             }
             let sw = scale_f16c(s, gi);
@@ -387,43 +387,37 @@ mod x86 {
         std::array::from_fn(|t| _mm512_reduce_add_ps(facc[t]))
     }
 
-    /// [`block`] with AVX2 rows.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn block_avx2<const TB: usize>(
-        shape: DotShape,
-        m: &PackedMatrix,
-        rows: Range<usize>,
-        acts: &[ActRow; TB],
-        out: &mut [f32],
-    ) {
-        for (n, o) in rows.zip(out.chunks_exact_mut(TB)) {
-            let (w, s) = m.row(n);
-            // SAFETY: the caller guarantees the CPU features; `row_avx2` checks the slices.
-            o.copy_from_slice(&unsafe { row_avx2(shape, w, s, acts) });
-        }
+    /// Defines `$name`: [`block`] over rows computed by `$row`, compiled for `$features` so
+    /// that the row function inlines into the loop.
+    macro_rules! row_block {
+        ($name:ident, $row:ident, $features:literal) => {
+            /// [`block`] for one instruction set.
+            ///
+            /// # Safety
+            /// The CPU must support the target features this function is compiled for.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $name<const TB: usize>(
+                shape: DotShape,
+                m: &PackedMatrix,
+                rows: Range<usize>,
+                acts: &[ActRow; TB],
+                out: &mut [f32],
+            ) {
+                for (n, o) in rows.zip(out.chunks_exact_mut(TB)) {
+                    let (w, s) = m.row(n);
+                    // SAFETY: the caller guarantees the CPU features; the row function checks
+                    // the slices against `shape`.
+                    o.copy_from_slice(&unsafe { $row(shape, w, s, acts) });
+                }
+            }
+        };
     }
-
-    /// [`block`] with AVX-512 VNNI rows.
-    ///
-    /// # Safety
-    /// The CPU must support AVX-512 F/BW/VL/VNNI and F16C.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) unsafe fn block_avx512<const TB: usize>(
-        shape: DotShape,
-        m: &PackedMatrix,
-        rows: Range<usize>,
-        acts: &[ActRow; TB],
-        out: &mut [f32],
-    ) {
-        for (n, o) in rows.zip(out.chunks_exact_mut(TB)) {
-            let (w, s) = m.row(n);
-            // SAFETY: the caller guarantees the CPU features; `row_avx512` checks the slices.
-            o.copy_from_slice(&unsafe { row_avx512(shape, w, s, acts) });
-        }
-    }
+    row_block!(block_avx2, row_avx2, "avx2,fma,f16c");
+    row_block!(
+        block_avx512,
+        row_avx512,
+        "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
+    );
 }
 
 /// `out[r · TB + t] = row_{rows.start + r} · acts[t]` for a block of rows of `m`.

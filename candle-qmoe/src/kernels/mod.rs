@@ -1,9 +1,12 @@
 //! Fused top-k W4A16 compute for routed experts, straight from the INT4 pack.
 //!
-//! [`cpu`] holds the SIMD + multithreaded CPU kernel. [`RoutePlan`] groups the routed
-//! (token, slot) pairs by expert so that each expert's bytes are read once per call.
+//! [`cpu`] holds the SIMD + multithreaded CPU kernel, `cuda` (feature `cuda`) the launcher of the
+//! GPU kernels of `candle-qmoe-kernels`. [`RoutePlan`] groups the routed (token, slot) pairs by
+//! expert so that each expert's bytes are read once per call.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use crate::QmoeError;
 

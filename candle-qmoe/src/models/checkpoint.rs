@@ -1,12 +1,18 @@
-//! Finding the weight files of a Hugging Face checkpoint folder (single file or sharded).
+//! Hugging Face checkpoint folders: finding the weight files (single file or sharded), the
+//! checkpoint's fingerprint, and packing its routed experts into a [`PackFile`].
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle::{DType, Device};
 use candle_nn::VarBuilder;
 
-use crate::QmoeError;
+use super::config::ModelConfig;
+use super::AnyConfig;
+use crate::pack::file::checkpoint_fingerprint;
+use crate::pack::{ExpertLayout, GroupSize, LayerPack, PackFile, PackMeta, ScaleSearch};
+use crate::{QmoeError, SparseMoe};
 
 /// The single-file checkpoint name.
 pub const SINGLE_FILE: &str = "model.safetensors";
@@ -78,4 +84,126 @@ pub unsafe fn mmap_checkpoint(
 ) -> candle::Result<VarBuilder<'static>> {
     let files = checkpoint_files(dir)?;
     VarBuilder::from_mmaped_safetensors(&files, dtype, device)
+}
+
+/// The name of the router weight of decoder layer `layer`.
+pub fn router_weight_name(layer: usize) -> String {
+    format!("model.layers.{layer}.mlp.gate.weight")
+}
+
+/// The fingerprint a `.qmoe` pack records of its source (see
+/// [`crate::pack::file::checkpoint_fingerprint`]): `config.json`'s bytes and the raw stored bytes of
+/// every MoE layer's router weight, so a pack is tied to this checkpoint and no other.
+pub fn fingerprint(dir: impl AsRef<Path>) -> candle::Result<String> {
+    let dir = dir.as_ref();
+    let config_path = dir.join("config.json");
+    let config = std::fs::read(&config_path)
+        .map_err(|e| QmoeError::Config(format!("cannot read `{}`: {e}", config_path.display())))?;
+    let text = std::str::from_utf8(&config)
+        .map_err(|e| QmoeError::Config(format!("`{}` is not UTF-8: {e}", config_path.display())))?;
+    let spec = AnyConfig::from_json_str(text)?.spec()?;
+    let files = checkpoint_files(dir)?;
+    // SAFETY: read-only maps, dropped before returning; the same contract as `mmap_checkpoint`.
+    let st = unsafe { candle::safetensors::MmapedSafetensors::multi(&files)? };
+    let routers = spec
+        .moe_layers()
+        .into_iter()
+        .map(|i| {
+            let name = router_weight_name(i);
+            st.get(&name).map_err(|_| {
+                QmoeError::Config(format!(
+                    "checkpoint `{}` has no tensor `{name}`",
+                    dir.display()
+                ))
+                .into()
+            })
+        })
+        .collect::<candle::Result<Vec<_>>>()?;
+    Ok(checkpoint_fingerprint(
+        &config,
+        routers.iter().map(|v| v.data()),
+    ))
+}
+
+/// How [`quantize_checkpoint`] packs the experts, and the source it records.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuantizeOptions {
+    /// Columns per FP16 scale.
+    pub group_size: GroupSize,
+    /// How scales are chosen.
+    pub search: ScaleSearch,
+    /// Source model id recorded in the pack (empty: the folder's path).
+    pub source_model: String,
+    /// Source revision recorded in the pack (hub commit, or `local`).
+    pub source_revision: String,
+}
+
+impl Default for QuantizeOptions {
+    fn default() -> Self {
+        Self {
+            group_size: GroupSize::default(),
+            search: ScaleSearch::default(),
+            source_model: String::new(),
+            source_revision: "local".into(),
+        }
+    }
+}
+
+/// Quantizes every MoE layer's routed experts of the checkpoint in `dir` to INT4 and returns the
+/// pack in memory (write it with [`PackFile::save`]).
+///
+/// Experts are read one at a time from the memory-mapped checkpoint (in F32, whatever the stored
+/// dtype) and quantized in parallel, so only the packed bytes and the experts being quantized are
+/// held in memory. `on_progress(done, total)` is called after each (layer, expert).
+pub fn quantize_checkpoint(
+    dir: impl AsRef<Path>,
+    opts: &QuantizeOptions,
+    on_progress: &(dyn Fn(usize, usize) + Sync),
+) -> candle::Result<PackFile> {
+    let dir = dir.as_ref();
+    let spec = AnyConfig::from_file(dir.join("config.json"))?.spec()?;
+    let moe = spec.uniform_moe()?.clone();
+    let fingerprint = fingerprint(dir)?;
+    let layout = ExpertLayout {
+        hidden: spec.hidden_size,
+        intermediate: moe.intermediate_size,
+        group_size: opts.group_size,
+    };
+    // SAFETY: see `mmap_checkpoint`; the maps live only during quantization.
+    let vb = unsafe { mmap_checkpoint(dir, DType::F32, &Device::Cpu)? };
+    let layers = spec.moe_layers();
+    let total = layers.len() * moe.num_experts;
+    let done = AtomicUsize::new(0);
+    let tick = || on_progress(done.fetch_add(1, Ordering::Relaxed) + 1, total);
+    let packs = layers
+        .into_iter()
+        .map(|i| {
+            let vb = vb.pp(format!("model.layers.{i}.mlp"));
+            let load =
+                |e| SparseMoe::load_dense_expert(layout.hidden, layout.intermediate, e, vb.clone());
+            let pack = LayerPack::quantize_with(
+                &vb.prefix(),
+                moe.num_experts,
+                layout,
+                opts.search,
+                load,
+                &tick,
+            )?;
+            Ok((i, pack))
+        })
+        .collect::<candle::Result<Vec<_>>>()?;
+    let source_model = if opts.source_model.is_empty() {
+        dir.display().to_string()
+    } else {
+        opts.source_model.clone()
+    };
+    let meta = PackMeta {
+        layout,
+        num_experts: moe.num_experts,
+        scale_search: opts.search,
+        source_model,
+        source_revision: opts.source_revision.clone(),
+        fingerprint,
+    };
+    Ok(PackFile::from_layers(meta, packs)?)
 }

@@ -177,6 +177,25 @@ impl ModelSpec {
         self.layers.len()
     }
 
+    /// The routed-expert settings every MoE layer shares (what one expert pack describes); an
+    /// error when the model has no MoE layer or its MoE layers differ.
+    pub fn uniform_moe(&self) -> candle::Result<&MoeSpec> {
+        let mut moe = self.layers.iter().filter_map(|l| match l {
+            FfnSpec::Moe(m) => Some(m),
+            FfnSpec::Dense { .. } => None,
+        });
+        let first = moe.next().ok_or_else(|| {
+            config_err(format!("{}: the model has no MoE layer", self.model_type))
+        })?;
+        if moe.any(|m| m != first) {
+            return Err(config_err(format!(
+                "{}: MoE layers with different expert shapes cannot share one expert pack",
+                self.model_type
+            )));
+        }
+        Ok(first)
+    }
+
     /// Indices of the MoE layers, in order.
     pub fn moe_layers(&self) -> Vec<usize> {
         self.layers

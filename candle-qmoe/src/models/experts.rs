@@ -1,11 +1,13 @@
-//! Where a model's routed experts come from: [`ExpertsLoader`] and the built-in
-//! [`ExpertsBackend`] choices.
+//! Where a model's routed experts come from: [`ExpertsLoader`], the built-in
+//! [`ExpertsBackend`] choices, and [`PackedExperts`] (a pre-built `.qmoe` pack).
 
+use std::path::Path;
 use std::sync::Arc;
 
+use candle::DType;
 use candle_nn::VarBuilder;
 
-use crate::pack::{ExpertLayout, GroupSize, LayerPack, ScaleSearch};
+use crate::pack::{ExpertLayout, GroupSize, LayerPack, PackFile, ScaleSearch};
 use crate::{DenseExperts, Int4Experts, RoutedExperts, SparseMoe};
 
 /// The shape of one layer's routed experts, handed to an [`ExpertsLoader`].
@@ -32,13 +34,17 @@ pub trait ExpertsLoader {
     fn load(&self, dims: ExpertDims, vb: VarBuilder) -> candle::Result<Arc<dyn RoutedExperts>>;
 }
 
-/// The built-in routed-experts backends.
+/// The built-in routed-experts backends that read the experts from the checkpoint.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ExpertsBackend {
     /// Dense experts ([`DenseExperts`], the oracle) in the VarBuilder's dtype.
     #[default]
     Dense,
-    /// Experts quantized to INT4 at load time ([`Int4Experts`]).
+    /// Dense experts converted to the given dtype whatever the model's compute dtype (e.g. BF16
+    /// experts next to F32 attention).
+    DenseAs(DType),
+    /// Experts quantized to INT4 at load time ([`Int4Experts`]), from the checkpoint's weights
+    /// read in F32: the same bytes [`super::quantize_checkpoint`] writes to a pack.
     Int4 {
         /// Columns per FP16 scale.
         group_size: GroupSize,
@@ -59,23 +65,94 @@ impl ExpertsBackend {
 
 impl ExpertsLoader for ExpertsBackend {
     fn load(&self, dims: ExpertDims, vb: VarBuilder) -> candle::Result<Arc<dyn RoutedExperts>> {
-        let dense = SparseMoe::load_dense_experts(
+        let (h, i, n) = (dims.hidden, dims.intermediate, dims.num_experts);
+        Ok(match *self {
+            Self::Dense => Arc::new(DenseExperts::new(SparseMoe::load_dense_experts(
+                h, i, n, vb,
+            )?)?),
+            Self::DenseAs(dtype) => Arc::new(DenseExperts::new(SparseMoe::load_dense_experts(
+                h,
+                i,
+                n,
+                vb.to_dtype(dtype),
+            )?)?),
+            Self::Int4 { group_size, search } => {
+                let layout = ExpertLayout {
+                    hidden: h,
+                    intermediate: i,
+                    group_size,
+                };
+                let vb32 = vb.to_dtype(DType::F32);
+                let load = |e| SparseMoe::load_dense_expert(h, i, e, vb32.clone());
+                let pack = LayerPack::quantize_with(&vb.prefix(), n, layout, search, load, &|| {})?;
+                Arc::new(Int4Experts::new(pack))
+            }
+        })
+    }
+}
+
+/// Routed experts served from a [`PackFile`] (a memory-mapped `.qmoe`, or a pack built in
+/// memory) instead of the checkpoint's expert tensors.
+///
+/// Every layer is checked with [`PackFile::check_source`] against the fingerprint of the
+/// checkpoint the rest of the model comes from, so a pack made from another checkpoint, another
+/// revision or with other shapes is refused with a clear error.
+#[derive(Clone, Debug)]
+pub struct PackedExperts {
+    pack: Arc<PackFile>,
+    fingerprint: String,
+    dense: Option<DType>,
+}
+
+impl PackedExperts {
+    /// INT4 experts from `pack`, for a model whose checkpoint has this `fingerprint` (see
+    /// [`super::checkpoint::fingerprint`]).
+    pub fn new(pack: Arc<PackFile>, fingerprint: impl Into<String>) -> Self {
+        Self {
+            pack,
+            fingerprint: fingerprint.into(),
+            dense: None,
+        }
+    }
+
+    /// INT4 experts from `pack` for the checkpoint in `dir` (computes its fingerprint).
+    pub fn for_checkpoint(pack: Arc<PackFile>, dir: impl AsRef<Path>) -> candle::Result<Self> {
+        Ok(Self::new(pack, super::checkpoint::fingerprint(dir)?))
+    }
+
+    /// Serves the pack's experts dequantized to dense `dtype` tensors instead ([`DenseExperts`]
+    /// on exactly the INT4 weights): the oracle for the INT4 kernels, or dense experts for a
+    /// synthetic model.
+    pub fn dequantized(mut self, dtype: DType) -> Self {
+        self.dense = Some(dtype);
+        self
+    }
+
+    /// The pack.
+    pub fn pack(&self) -> &Arc<PackFile> {
+        &self.pack
+    }
+
+    /// The fingerprint the pack must have been made from.
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+}
+
+impl ExpertsLoader for PackedExperts {
+    fn load(&self, dims: ExpertDims, vb: VarBuilder) -> candle::Result<Arc<dyn RoutedExperts>> {
+        self.pack.check_source(
+            &self.fingerprint,
             dims.hidden,
             dims.intermediate,
             dims.num_experts,
-            vb.clone(),
         )?;
-        Ok(match *self {
-            Self::Dense => Arc::new(DenseExperts::new(dense)?),
-            Self::Int4 { group_size, search } => {
-                let layout = ExpertLayout {
-                    hidden: dims.hidden,
-                    intermediate: dims.intermediate,
-                    group_size,
-                };
-                let pack = LayerPack::quantize(&vb.prefix(), &dense, layout, search)?;
-                Arc::new(Int4Experts::new(pack))
-            }
+        let layer = self.pack.layer(dims.layer)?;
+        Ok(match self.dense {
+            None => Arc::new(Int4Experts::new(layer)),
+            Some(dtype) => Arc::new(DenseExperts::new(
+                layer.dequantize_experts(dtype, vb.device())?,
+            )?),
         })
     }
 }

@@ -33,9 +33,11 @@ pub mod qwen2_moe;
 use std::path::Path;
 
 pub use causal_lm::MoeForCausalLm;
-pub use checkpoint::{checkpoint_files, mmap_checkpoint};
+pub use checkpoint::{
+    checkpoint_files, fingerprint, mmap_checkpoint, quantize_checkpoint, QuantizeOptions,
+};
 pub use config::{AttentionSpec, CommonConfig, FfnSpec, ModelConfig, ModelSpec, MoeSpec};
-pub use experts::{ExpertDims, ExpertsBackend, ExpertsLoader};
+pub use experts::{ExpertDims, ExpertsBackend, ExpertsLoader, PackedExperts};
 
 use crate::QmoeError;
 

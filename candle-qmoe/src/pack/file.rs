@@ -66,7 +66,53 @@ fn bad(path: &Path, msg: impl std::fmt::Display) -> QmoeError {
     QmoeError::Pack(format!("{}: {msg}", path.display()))
 }
 
+/// Checks that layer `i`'s pack has the layout and expert count the header announces.
+fn check_layer(meta: &PackMeta, i: usize, p: &LayerPack) -> Result<(), QmoeError> {
+    if p.layout() != meta.layout || p.num_experts() != meta.num_experts {
+        return Err(QmoeError::Pack(format!(
+            "layer {i} has layout {:?} × {} experts, the header says {:?} × {}",
+            p.layout(),
+            p.num_experts(),
+            meta.layout,
+            meta.num_experts
+        )));
+    }
+    Ok(())
+}
+
 impl PackFile {
+    /// A pack held in memory (e.g. just quantized, or synthetic), with the same checks as
+    /// [`PackFile::open`]: every layer matches `meta`, no layer index appears twice, and there is
+    /// at least one layer.
+    pub fn from_layers(
+        meta: PackMeta,
+        layers: impl IntoIterator<Item = (usize, LayerPack)>,
+    ) -> Result<Self, QmoeError> {
+        let mut map = BTreeMap::new();
+        for (i, p) in layers {
+            check_layer(&meta, i, &p)?;
+            if map.insert(i, p).is_some() {
+                return Err(QmoeError::Pack(format!("layer {i} is given twice")));
+            }
+        }
+        if map.is_empty() {
+            return Err(QmoeError::Pack("a pack needs at least one layer".into()));
+        }
+        Ok(Self { meta, layers: map })
+    }
+
+    /// Writes this pack to `path` (see [`PackFile::write`]).
+    pub fn save(&self, path: &Path) -> candle::Result<()> {
+        let layers: Vec<(usize, LayerPack)> =
+            self.layers.iter().map(|(i, p)| (*i, p.clone())).collect();
+        Self::write(path, &self.meta, &layers)
+    }
+
+    /// Bytes of packed experts over all layers.
+    pub fn total_bytes(&self) -> usize {
+        self.layers.values().map(|p| p.bytes().len()).sum()
+    }
+
     /// Writes `layers` (MoE layer index → pack) with `meta` to `path`.
     pub fn write(
         path: &Path,
@@ -99,15 +145,7 @@ impl PackFile {
         }
         let mut views = Vec::with_capacity(layers.len());
         for (i, p) in layers {
-            if p.layout() != l || p.num_experts() != meta.num_experts {
-                return Err(QmoeError::Pack(format!(
-                    "layer {i} has layout {:?} × {} experts, the header says {l:?} × {}",
-                    p.layout(),
-                    p.num_experts(),
-                    meta.num_experts
-                ))
-                .into());
-            }
+            check_layer(meta, *i, p)?;
             let view = safetensors::tensor::TensorView::new(
                 safetensors::Dtype::U8,
                 vec![p.num_experts(), l.slab_bytes()],

@@ -205,17 +205,42 @@ impl LayerPack {
         layout: ExpertLayout,
         search: ScaleSearch,
     ) -> candle::Result<Self> {
-        if experts.is_empty() {
+        Self::quantize_with(
+            name,
+            experts.len(),
+            layout,
+            search,
+            |e| Ok(experts[e].clone()),
+            &|| {},
+        )
+    }
+
+    /// Quantizes `num_experts` experts that `load` provides one at a time (in parallel), calling
+    /// `on_expert` after each: only the experts being quantized are held in dense form, so a
+    /// layer can be packed straight from a memory-mapped checkpoint.
+    pub fn quantize_with(
+        name: &str,
+        num_experts: usize,
+        layout: ExpertLayout,
+        search: ScaleSearch,
+        load: impl Fn(usize) -> candle::Result<DenseExpert> + Sync,
+        on_expert: &(dyn Fn() + Sync),
+    ) -> candle::Result<Self> {
+        if num_experts == 0 {
             return Err(QmoeError::Config(format!("`{name}` has zero experts")).into());
         }
-        let slabs = experts
-            .par_iter()
-            .enumerate()
-            .map(|(e, x)| quantize_expert(&format!("{name}.experts.{e}"), x, layout, search))
+        let slabs = (0..num_experts)
+            .into_par_iter()
+            .map(|e| {
+                let slab =
+                    quantize_expert(&format!("{name}.experts.{e}"), &load(e)?, layout, search)?;
+                on_expert();
+                Ok(slab)
+            })
             .collect::<candle::Result<Vec<_>>>()?;
         Ok(Self {
             layout,
-            num_experts: experts.len(),
+            num_experts,
             bytes: PackBytes::Owned(slabs.concat().into()),
         })
     }
@@ -278,5 +303,30 @@ impl LayerPack {
             layout: self.layout,
             bytes: &self.bytes()[e * n..(e + 1) * n],
         }
+    }
+
+    /// Every expert dequantized to dense `dtype` tensors on `device`: exactly the weights the
+    /// INT4 kernels compute with, for the dense oracle.
+    pub fn dequantize_experts(
+        &self,
+        dtype: DType,
+        device: &candle::Device,
+    ) -> candle::Result<Vec<DenseExpert>> {
+        let (h, i) = (self.layout.hidden, self.layout.intermediate);
+        (0..self.num_experts)
+            .map(|e| {
+                let (gate, up, down) = self.slab(e).dequantize();
+                let t = |v: Vec<f32>, shape: (usize, usize)| {
+                    Tensor::from_vec(v, shape, &candle::Device::Cpu)?
+                        .to_dtype(dtype)?
+                        .to_device(device)
+                };
+                Ok(DenseExpert {
+                    gate: t(gate, (i, h))?,
+                    up: t(up, (i, h))?,
+                    down: t(down, (h, i))?,
+                })
+            })
+            .collect()
     }
 }

@@ -1,0 +1,118 @@
+//! A plain generation loop over [`MoeForCausalLm`] with the timings of DESIGN.md §3.3.
+//!
+//! The prompt goes through the model in one call (prefill), then one token per call with the KV
+//! cache. Sampling is the caller's (e.g. `candle_transformers::generation::LogitsProcessor`), so
+//! the loop serves greedy parity checks and sampled chat alike.
+
+use std::time::{Duration, Instant};
+
+use candle::Tensor;
+
+use crate::models::MoeForCausalLm;
+use crate::QmoeError;
+
+/// Why generation stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// An end-of-sequence token was generated.
+    Eos,
+    /// `max_new_tokens` were generated.
+    MaxTokens,
+    /// The context (`max_position_embeddings`) is full.
+    ContextFull,
+}
+
+/// One finished generation and its timings.
+#[derive(Clone, Debug)]
+pub struct Generation {
+    /// Tokens in the prompt.
+    pub prompt_tokens: usize,
+    /// The generated ids, including the end-of-sequence token when one stopped generation.
+    pub tokens: Vec<u32>,
+    /// Why generation stopped.
+    pub stop: StopReason,
+    /// From the start of the prefill until the first token was sampled.
+    pub time_to_first_token: Duration,
+    /// From the first token until the last one was sampled.
+    pub decode_time: Duration,
+}
+
+impl Generation {
+    /// Prompt tokens per second of the prefill (prompt tokens / time to first token).
+    pub fn prompt_tokens_per_s(&self) -> f64 {
+        self.prompt_tokens as f64 / self.time_to_first_token.as_secs_f64()
+    }
+
+    /// Decode rate as DESIGN.md §3.3 defines it: (generated − 1) / decode time after the first
+    /// token; `None` with fewer than two generated tokens.
+    pub fn decode_tokens_per_s(&self) -> Option<f64> {
+        let n = self.tokens.len().checked_sub(1).filter(|&n| n > 0)?;
+        Some(n as f64 / self.decode_time.as_secs_f64())
+    }
+}
+
+/// Generates up to `max_new_tokens` after `prompt`, stopping early at any of `eos` or when the
+/// context is full.
+///
+/// The KV cache is cleared first. `sample(logits, context)` picks the next token from the last
+/// position's logits (`[vocab]`, F32) given every token so far (prompt and generated);
+/// `on_token` sees each generated token as soon as it exists (for streaming output).
+pub fn generate(
+    model: &mut MoeForCausalLm,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    eos: &[u32],
+    mut sample: impl FnMut(&Tensor, &[u32]) -> candle::Result<u32>,
+    mut on_token: impl FnMut(u32) -> candle::Result<()>,
+) -> candle::Result<Generation> {
+    let context = model.spec().max_position_embeddings;
+    if prompt.is_empty() {
+        return Err(QmoeError::Config("the prompt is empty".into()).into());
+    }
+    if prompt.len() > context {
+        return Err(QmoeError::Config(format!(
+            "the prompt has {} tokens, longer than the model's context of {context} tokens \
+             (max_position_embeddings)",
+            prompt.len()
+        ))
+        .into());
+    }
+    model.clear_kv_cache();
+    let device = model.device().clone();
+    let mut all = prompt.to_vec();
+    let start = Instant::now();
+    let mut first_token_at = None;
+    let mut input = Tensor::new(prompt, &device)?.unsqueeze(0)?;
+    let stop = loop {
+        if all.len() - prompt.len() == max_new_tokens {
+            break StopReason::MaxTokens;
+        }
+        let logits = model.forward(&input, model.cached_len())?.squeeze(0)?;
+        let next = sample(&logits, &all)?;
+        first_token_at.get_or_insert_with(Instant::now);
+        all.push(next);
+        on_token(next)?;
+        if eos.contains(&next) {
+            break StopReason::Eos;
+        }
+        if all.len() >= context {
+            break StopReason::ContextFull;
+        }
+        input = Tensor::new(&[next], &device)?.unsqueeze(0)?;
+    };
+    let end = Instant::now();
+    let first = first_token_at.unwrap_or(end);
+    Ok(Generation {
+        prompt_tokens: prompt.len(),
+        tokens: all.split_off(prompt.len()),
+        stop,
+        time_to_first_token: first - start,
+        decode_time: end - first,
+    })
+}
+
+/// Greedy (argmax) sampling, for [`generate`].
+pub fn argmax(logits: &Tensor, _context: &[u32]) -> candle::Result<u32> {
+    logits.argmax(candle::D::Minus1)?.to_scalar::<u32>()
+}

@@ -1,0 +1,135 @@
+//! Compares a model folder with a golden file made by Hugging Face transformers (the fixture
+//! format of DESIGN.md §4): per prompt, teacher-forced max |Δlogit|, mean KL and top-1 agreement
+//! over the prompt and the golden greedy continuation, how many greedy tokens (with the KV cache)
+//! match before the first divergence, and the router's top-k agreement. For people porting a
+//! model: see docs/porting.md.
+//!
+//! ```text
+//! cargo run --release --example parity -- --model-dir tests/fixtures/olmoe-tiny \
+//!     --golden tests/fixtures/olmoe-tiny/golden.safetensors --experts int4 --json parity.json
+//! ```
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use candle::{DType, Device};
+use candle_qmoe::models::{self, AnyConfig, ExpertsBackend, MoeForCausalLm};
+use candle_qmoe::pack::{GroupSize, ScaleSearch};
+use candle_qmoe::parity::{compare, Golden};
+use clap::{Parser, ValueEnum};
+use serde_json::json;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Experts {
+    /// Dense F32 experts (with F32 compute: the port's parity with transformers).
+    F32,
+    /// Dense BF16 experts.
+    Bf16,
+    /// INT4 experts with FP16 group scales.
+    Int4,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Search {
+    /// Minimum squared error over a grid of scales.
+    Mse,
+    /// Round to nearest with absmax / 7.
+    Rtn,
+}
+
+#[derive(Parser, Debug)]
+#[command(about = "Fidelity of a MoE model folder against a transformers golden file")]
+struct Args {
+    /// Checkpoint folder (config.json + safetensors).
+    #[arg(long)]
+    model_dir: PathBuf,
+    /// Golden safetensors file (`promptN.input_ids`, `.logits`, `.greedy_ids`,
+    /// `.greedy_step_logits`, `.router_logits`).
+    #[arg(long)]
+    golden: PathBuf,
+    /// Routed experts backend.
+    #[arg(long, value_enum, default_value = "f32")]
+    experts: Experts,
+    /// INT4 group size.
+    #[arg(long, default_value_t = 128)]
+    group_size: usize,
+    /// INT4 scale search.
+    #[arg(long, value_enum, default_value = "mse")]
+    scale_search: Search,
+    /// Compute dtype of everything but the experts (default: f32, as the goldens).
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
+    dtype: String,
+    /// Write the results as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let dtype = if args.dtype == "bf16" {
+        DType::BF16
+    } else {
+        DType::F32
+    };
+    let group_size = GroupSize::new(args.group_size)?;
+    let backend = match args.experts {
+        Experts::F32 => ExpertsBackend::DenseAs(DType::F32),
+        Experts::Bf16 => ExpertsBackend::DenseAs(DType::BF16),
+        Experts::Int4 => ExpertsBackend::Int4 {
+            group_size,
+            search: match args.scale_search {
+                Search::Mse => ScaleSearch::Mse,
+                Search::Rtn => ScaleSearch::Rtn,
+            },
+        },
+    };
+    let golden = Golden::load(&args.golden)?;
+    let config = AnyConfig::from_file(args.model_dir.join("config.json"))?;
+    // SAFETY: the checkpoint is not modified while the model is alive.
+    let vb = unsafe { models::mmap_checkpoint(&args.model_dir, dtype, &Device::Cpu)? };
+    let mut model = MoeForCausalLm::new(&config, vb, &backend)
+        .with_context(|| format!("cannot load `{}`", args.model_dir.display()))?;
+    let results = compare(&mut model, &golden)?;
+
+    let label = match args.experts {
+        Experts::Int4 => format!("int4 g{}", group_size.get()),
+        other => format!("{other:?}").to_lowercase(),
+    };
+    println!(
+        "{} ({}), experts {label}, compute {dtype:?}, golden {}",
+        args.model_dir.display(),
+        config.model_type(),
+        args.golden.display()
+    );
+    println!(
+        "{:<8} {:>6} {:>12} {:>11} {:>8} {:>8} {:>8}",
+        "prompt", "tokens", "max|Δlogit|", "mean KL", "top-1", "greedy", "router"
+    );
+    for (i, r) in results.iter().enumerate() {
+        println!(
+            "{:<8} {:>6} {:>12.3e} {:>11.3e} {:>8.4} {:>8} {:>8}",
+            format!("prompt{i}"),
+            r.prompt_tokens,
+            r.max_abs_diff,
+            r.mean_kl,
+            r.top1_agreement,
+            format!("{}/{}", r.greedy_prefix_match, r.greedy_steps),
+            r.router_agreement
+                .map_or("n/a".to_string(), |a| format!("{a:.4}"))
+        );
+    }
+    if let Some(path) = &args.json {
+        let out = json!({
+            "model_dir": args.model_dir,
+            "model_type": config.model_type(),
+            "golden": args.golden,
+            "experts": format!("{:?}", args.experts).to_lowercase(),
+            "group_size": (args.experts == Experts::Int4).then_some(group_size.get()),
+            "dtype": args.dtype,
+            "prompts": results,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&out)? + "\n")
+            .with_context(|| format!("cannot write `{}`", path.display()))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# One-call GPU check of the CUDA kernels (DESIGN.md §6): correctness against the CPU reference,
+# then timings against Candle's fused-MoE kernels; JSON results, a short table printed last.
+#
+#   scripts/gpu-check.sh build   # HERE (no GPU needed): builds the cuda-feature binaries
+#                                # (examples/gpu_check, tests/cuda_kernels), gzips them into
+#                                # target/gpu-carry/ with the commit id, checks they fit 64 MiB.
+#   scripts/gpu-check.sh run     # ON THE GPU MACHINE (no Rust, no network): unpacks, finds the
+#                                # CUDA 13 runtime libraries there, runs the tests then the check,
+#                                # copies logs and gpu_check.json to $OUT.
+#
+# Through the device tool, after `scripts/gpu-check.sh build`, from the repository root:
+#
+#   run(command="bash scripts/gpu-check.sh run", carry=["target/gpu-carry"], timeout_s=590)
+#
+# The tests get at most 150 s, the check at most 400 s (QMOE_TEST_TIMEOUT, QMOE_CHECK_TIMEOUT).
+# Extra arguments after `run` go to gpu_check (e.g. `--quick`). The JSON goes to $OUT/gpu_check.json
+# and to bench/results/gpu-check-<yyyy-mm-dd>-<commit12>.json in the tree it runs in; through the
+# device tool only $OUT comes back: copy files_at/gpu_check.json to that name and commit it.
+#
+# The libcuda stub of scripts/cuda-env.sh is never carried: the GPU machine's driver provides
+# libcuda.so.1. libcudart/libcublas/libcublasLt/libcurand/libnvrtc (CUDA 13) are searched in the
+# usual toolkit folders and the Python wheels (PyTorch cu130) there; if one is missing and a copy
+# was carried in target/gpu-carry/libs (QMOE_CARRY_LIBS=1 at build time, small ones only), that
+# copy is used.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CARRY=target/gpu-carry
+LIMIT=$((64 * 1024 * 1024))
+BINS=(gpu_check cuda_kernels)
+LIBS=(libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13)
+
+build() {
+    # shellcheck source=scripts/cuda-env.sh
+    source scripts/cuda-env.sh
+    local msg
+    msg=$(cargo build --release --features cuda --example gpu_check --test cuda_kernels \
+        --message-format=json-render-diagnostics)
+    rm -rf "$CARRY"
+    mkdir -p "$CARRY"
+    local exe
+    exe=$(jq -r 'select(.reason == "compiler-artifact" and .target.name == "gpu_check" and .executable != null) | .executable' <<<"$msg" | tail -1)
+    gzip -9 -c "$exe" >"$CARRY/gpu_check.gz"
+    exe=$(jq -r 'select(.reason == "compiler-artifact" and .target.name == "cuda_kernels" and .executable != null) | .executable' <<<"$msg" | tail -1)
+    gzip -9 -c "$exe" >"$CARRY/cuda_kernels.gz"
+    {
+        git rev-parse HEAD 2>/dev/null || echo unknown
+    } | tr -d '\n' >"$CARRY/COMMIT"
+    if [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+        echo -n "-dirty" >>"$CARRY/COMMIT"
+    fi
+    if [ "${QMOE_CARRY_LIBS:-0}" = 1 ]; then
+        mkdir -p "$CARRY/libs"
+        cp -L "$CUDA_HOME/lib64/libcudart.so.13" "$CARRY/libs/"
+    fi
+    local total
+    total=$(du -cb "$CARRY" | tail -1 | cut -f1)
+    ls -l "$CARRY"
+    echo "gpu-check: carry $CARRY is $total bytes (limit $LIMIT), commit $(cat "$CARRY/COMMIT")"
+    if [ "$total" -ge "$LIMIT" ]; then
+        echo "gpu-check: carry folder too large" >&2
+        exit 1
+    fi
+}
+
+# Prints the directory holding $1, searching the GPU machine's CUDA installs and Python wheels.
+find_lib() {
+    local name=$1 d
+    for d in ${CUDA_HOME:+$CUDA_HOME/lib64} /usr/local/cuda/lib64 /usr/local/cuda-13*/lib64 \
+        /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu /usr/local/nvidia/lib64; do
+        if [ -e "$d/$name" ]; then
+            echo "$d"
+            return 0
+        fi
+    done
+    local hit
+    hit=$(find /opt /usr/local /usr/lib /root -maxdepth 9 -name "$name" -not -path '*stubs*' 2>/dev/null |
+        head -1 || true)
+    if [ -n "$hit" ]; then
+        dirname "$hit"
+        return 0
+    fi
+    if [ -e "$CARRY/libs/$name" ]; then
+        echo "$PWD/$CARRY/libs"
+        return 0
+    fi
+    return 1
+}
+
+run() {
+    OUT=${OUT:-$PWD/target/gpu-out}
+    mkdir -p "$OUT"
+    local work
+    work=$(mktemp -d)
+    for b in "${BINS[@]}"; do
+        gunzip -c "$CARRY/$b.gz" >"$work/$b"
+        chmod +x "$work/$b"
+    done
+    local libpath="" lib dir
+    local libs=("${LIBS[@]}")
+    # The driver's libcuda.so.1 is normally in the loader cache; search for it only if not.
+    if ! ldconfig -p 2>/dev/null | grep -q "libcuda.so.1 "; then
+        libs+=(libcuda.so.1)
+    fi
+    for lib in "${libs[@]}"; do
+        if dir=$(find_lib "$lib"); then
+            echo "gpu-check: $lib in $dir"
+            case ":$libpath:" in *":$dir:"*) ;; *) libpath="$libpath${libpath:+:}$dir" ;; esac
+        else
+            echo "gpu-check: $lib not found" >&2
+        fi
+    done
+    export LD_LIBRARY_PATH="$libpath${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export QMOE_COMMIT
+    QMOE_COMMIT=$(cat "$CARRY/COMMIT" 2>/dev/null || echo unknown)
+    {
+        echo "commit $QMOE_COMMIT"
+        echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+        nvidia-smi 2>&1 || true
+        ldd "$work/gpu_check" 2>&1 || true
+    } >"$OUT/env.txt"
+    if ldd "$work/gpu_check" | grep -q "not found"; then
+        ldd "$work/gpu_check" | grep "not found" >&2
+        echo "gpu-check: missing libraries (see $OUT/env.txt)" >&2
+    fi
+    local rc_tests=0 rc_check=0
+    set +e
+    echo "gpu-check: tests (cuda_kernels)"
+    timeout "${QMOE_TEST_TIMEOUT:-150}" "$work/cuda_kernels" --test-threads 1 >"$OUT/tests.log" 2>&1
+    rc_tests=$?
+    grep -E "^test result|FAILED|failed|panicked|SKIPPED" "$OUT/tests.log" | tail -20
+    echo "gpu-check: check (gpu_check)"
+    timeout "${QMOE_CHECK_TIMEOUT:-400}" "$work/gpu_check" --json "$OUT/gpu_check.json" \
+        --json "bench/results/gpu-check-$(date -u +%F)-${QMOE_COMMIT:0:12}.json" \
+        --commit "$QMOE_COMMIT" "$@" \
+        2>"$OUT/gpu_check.log"
+    rc_check=$?
+    set -e
+    echo "gpu-check: tests rc=$rc_tests, check rc=$rc_check (124 = timed out); logs in $OUT"
+    [ "$rc_tests" -eq 0 ] && [ "$rc_check" -eq 0 ]
+}
+
+case "${1:-}" in
+    build) build ;;
+    run)
+        shift
+        run "$@"
+        ;;
+    *)
+        echo "usage: $0 build|run [gpu_check args]" >&2
+        exit 2
+        ;;
+esac

@@ -1,0 +1,283 @@
+//! The CUDA W4A16 kernels against the CPU reference kernel (built with `--features cuda`).
+//!
+//! A custom harness (libtest-mimic) so that skipping is visible: when no CUDA device can be
+//! opened, every GPU test is reported as **ignored** (counted in the summary line, never as
+//! passed) and a `SKIPPED: no CUDA device` banner says why. The PTX checks need no GPU and always
+//! run. On a GPU machine the same binary runs everything (`scripts/gpu-check.sh run` does).
+//!
+//! Each GPU case draws fresh random slabs, activations and routings, runs the chosen path with
+//! every output and scratch buffer NaN-poisoned, and compares with the CPU kernel on the same
+//! (dtype-rounded) activations by relative L2 error; it also checks that a second run is
+//! bit-identical and, for some cases, that a permuted expert → slot table gives the same result.
+
+use std::sync::Arc;
+
+use candle::{DType, Device, Tensor};
+use candle_qmoe::kernels::cuda::{CudaPath, DeviceExperts};
+use candle_qmoe::pack::{ExpertLayout, GroupSize};
+use candle_qmoe::synthetic::{gaussian, random_layer_pack, random_routing};
+use candle_qmoe::{Int4Experts, RoutedExperts};
+use libtest_mimic::{Arguments, Failed, Trial};
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    hidden: usize,
+    inter: usize,
+    experts: usize,
+    k: usize,
+    group: usize,
+    tokens: usize,
+    dtype: DType,
+    path: CudaPath,
+    permuted: bool,
+}
+
+impl Case {
+    fn name(&self) -> String {
+        format!(
+            "gpu::{:?}_h{}_i{}_e{}_k{}_g{}_t{}_{:?}{}",
+            self.path,
+            self.hidden,
+            self.inter,
+            self.experts,
+            self.k,
+            self.group,
+            self.tokens,
+            self.dtype,
+            if self.permuted { "_permuted" } else { "" }
+        )
+        .to_lowercase()
+    }
+
+    /// Relative L2 error allowed against the F32 CPU kernel: BF16 rounds h and the output to 8
+    /// bits (~2e-3 observed scale), F16 to 11 bits; F32 runs as bf16 hi + lo (~2⁻¹⁶).
+    fn tolerance(&self) -> f64 {
+        match self.dtype {
+            DType::BF16 => 1e-2,
+            DType::F16 => 2e-3,
+            _ => 1e-4,
+        }
+    }
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    let num: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(&a, &b)| (a as f64 - b as f64).powi(2))
+        .sum();
+    let den: f64 = want.iter().map(|&b| (b as f64).powi(2)).sum();
+    (num / den.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+fn run_case(dev: &Device, c: Case, seed: u64) -> Result<(), Failed> {
+    let layout = ExpertLayout {
+        hidden: c.hidden,
+        intermediate: c.inter,
+        group_size: GroupSize::new(c.group)?,
+    };
+    let pack = random_layer_pack(seed, layout, c.experts)?;
+    let mut xs = gaussian(seed ^ 0x5eed, c.tokens * c.hidden, 1.0);
+    for v in xs.iter_mut().step_by(61) {
+        *v *= 8.0; // a few outliers, as hidden states have
+    }
+    let (ids, w) = random_routing(seed ^ 0x7007, c.tokens, c.k, c.experts);
+    let cpu = Device::Cpu;
+    // The activations the GPU sees, rounded to its dtype, are the reference's input too.
+    let x_cpu = Tensor::from_vec(xs, (c.tokens, c.hidden), &cpu)?
+        .to_dtype(c.dtype)?
+        .to_dtype(DType::F32)?;
+    let ids_cpu = Tensor::from_vec(ids, (c.tokens, c.k), &cpu)?;
+    let w_cpu = Tensor::from_vec(w, (c.tokens, c.k), &cpu)?;
+    let int4 = Int4Experts::new(pack.clone());
+    let want = int4
+        .forward(&x_cpu, &ids_cpu, &w_cpu)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+
+    let x = x_cpu.to_dtype(c.dtype)?.to_device(dev)?;
+    let (ids, w) = (ids_cpu.to_device(dev)?, w_cpu.to_device(dev)?);
+    let experts = if c.permuted {
+        let slots: Vec<u32> = (0..c.experts as u32).rev().collect();
+        Arc::new(DeviceExperts::upload_with_slots(
+            &pack,
+            dev.as_cuda_device()?,
+            &slots,
+        )?)
+    } else {
+        int4.device_experts(dev.as_cuda_device()?)?
+    };
+    let run = || -> candle::Result<Vec<f32>> {
+        let y = experts.forward_tensors(&x, &ids, &w, c.path, true)?;
+        if y.dtype() != c.dtype || y.dims() != [c.tokens, c.hidden] {
+            candle::bail!("result {:?} {:?}", y.dtype(), y.dims());
+        }
+        y.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+    };
+    let got = run()?;
+    let nan = got.iter().filter(|v| !v.is_finite()).count();
+    if nan > 0 {
+        return Err(format!(
+            "{nan} of {} outputs not finite (unwritten or overflow)",
+            got.len()
+        )
+        .into());
+    }
+    let err = rel_err(&got, &want);
+    if err > c.tolerance() {
+        return Err(format!("relative L2 error {err:.3e} > {:.1e}", c.tolerance()).into());
+    }
+    let again = run()?;
+    if again
+        .iter()
+        .zip(&got)
+        .any(|(a, b)| a.to_bits() != b.to_bits())
+    {
+        return Err("a second run differs: the kernels are not deterministic".into());
+    }
+    // Through the RoutedExperts trait (Auto path) the result is the same function.
+    if !c.permuted {
+        let auto = int4
+            .forward(&x, &ids, &w)?
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let err_auto = rel_err(&auto, &want);
+        if err_auto > c.tolerance() {
+            return Err(
+                format!("RoutedExperts::forward (Auto) relative error {err_auto:.3e}").into(),
+            );
+        }
+    }
+    eprintln!("{}: rel err {err:.2e}", c.name());
+    Ok(())
+}
+
+fn cases() -> Vec<Case> {
+    let mut out = Vec::new();
+    let base = Case {
+        hidden: 264,
+        inter: 200,
+        experts: 8,
+        k: 2,
+        group: 64,
+        tokens: 1,
+        dtype: DType::BF16,
+        path: CudaPath::Decode,
+        permuted: false,
+    };
+    // Small shapes with K not a multiple of 32 (padded chunks) or of the group (partial groups).
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        for group in [32, 64, 128] {
+            for tokens in [1, 3, 9, 16, 17, 100] {
+                for path in [CudaPath::Decode, CudaPath::Prefill] {
+                    if path == CudaPath::Decode && tokens > 16 {
+                        continue;
+                    }
+                    out.push(Case {
+                        group,
+                        tokens,
+                        dtype,
+                        path,
+                        ..base
+                    });
+                }
+            }
+        }
+    }
+    // The real shapes: OLMoE (H2048, I1024, E64, k8) and Qwen1.5-MoE (H2048, I1408, E60, k4).
+    for (hidden, inter, experts, k, group) in [(2048, 1024, 64, 8, 128), (2048, 1408, 60, 4, 256)] {
+        for tokens in [1, 16, 200] {
+            for path in [CudaPath::Decode, CudaPath::Prefill] {
+                if path == CudaPath::Decode && tokens > 16 {
+                    continue;
+                }
+                for dtype in [DType::BF16, DType::F32] {
+                    out.push(Case {
+                        hidden,
+                        inter,
+                        experts,
+                        k,
+                        group,
+                        tokens,
+                        dtype,
+                        path,
+                        permuted: false,
+                    });
+                }
+            }
+        }
+    }
+    // The kernels find experts only through the slot table.
+    for (tokens, path) in [(4, CudaPath::Decode), (40, CudaPath::Prefill)] {
+        out.push(Case {
+            tokens,
+            path,
+            permuted: true,
+            ..base
+        });
+    }
+    out
+}
+
+/// The embedded PTX: both targets, an ISA a CUDA 13.0 driver can JIT, every kernel present.
+fn ptx_checks() -> Result<(), Failed> {
+    use candle_qmoe::kernels::cuda::{W4A16_MOE_SM80, W4A16_MOE_SM90};
+    for (ptx, target) in [(W4A16_MOE_SM80, "sm_80"), (W4A16_MOE_SM90, "sm_90")] {
+        let version = ptx
+            .lines()
+            .find_map(|l| l.strip_prefix(".version "))
+            .ok_or("no .version")?
+            .trim();
+        let (major, minor) = version.split_once('.').ok_or("bad .version")?;
+        let v = (major.parse::<u32>()?, minor.parse::<u32>()?);
+        if v > (9, 0) {
+            return Err(
+                format!("PTX ISA {version} is newer than a CUDA 13.0 driver accepts").into(),
+            );
+        }
+        if !ptx.lines().any(|l| l.trim() == format!(".target {target}")) {
+            return Err(format!("PTX lacks `.target {target}`").into());
+        }
+        for dt in ["bf16", "f16", "f32"] {
+            for kernel in [
+                format!("qmoe_decode_gate_up_{dt}_nt1"),
+                format!("qmoe_decode_gate_up_{dt}_nt2"),
+                format!("qmoe_decode_down_{dt}_nt1"),
+                format!("qmoe_decode_down_{dt}_nt2"),
+                format!("qmoe_prefill_gate_up_{dt}"),
+                format!("qmoe_prefill_down_{dt}"),
+                format!("qmoe_combine_{dt}"),
+                "qmoe_route".to_string(),
+            ] {
+                if !ptx.contains(&format!(".entry {kernel}(")) {
+                    return Err(format!("{target} PTX lacks kernel {kernel}").into());
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn main() {
+    let mut args = Arguments::from_args();
+    // One GPU test at a time: each uses the whole device, and Candle's CUDA stream is per thread.
+    args.test_threads.get_or_insert(1);
+    let device = Device::new_cuda(0);
+    if let Err(e) = &device {
+        eprintln!("SKIPPED: no CUDA device ({e}); the GPU tests below are reported as ignored");
+    }
+    let mut trials = vec![Trial::test("ptx::targets_isa_and_entry_points", ptx_checks)];
+    for (i, c) in cases().into_iter().enumerate() {
+        let dev = device.as_ref().ok().cloned();
+        let ignored = dev.is_none();
+        trials.push(
+            Trial::test(c.name(), move || match dev {
+                Some(dev) => run_case(&dev, c, 1000 + i as u64),
+                None => Err("no CUDA device".into()),
+            })
+            .with_ignored_flag(ignored),
+        );
+    }
+    libtest_mimic::run(&args, trials).exit();
+}

@@ -1,0 +1,220 @@
+//! `.qmoe` packs made from a checkpoint: quantize → write → open → load gives the same model as
+//! quantizing at load time, and a pack is refused by any other checkpoint.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use candle::{DType, Device, Tensor};
+use candle_qmoe::models::{
+    self, AnyConfig, ExpertsBackend, ExpertsLoader, MoeForCausalLm, PackedExperts, QuantizeOptions,
+};
+use candle_qmoe::pack::{GroupSize, LayerPack, PackFile, PackMeta};
+use candle_qmoe::synthetic::{SyntheticKind, SyntheticModel};
+use common::fixture_dir;
+
+const FIXTURES: [&str; 2] = ["olmoe-tiny", "qwen2moe-tiny"];
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("qmoe-pack-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn load(dir: &Path, experts: &dyn ExpertsLoader) -> candle::Result<MoeForCausalLm> {
+    let cfg = AnyConfig::from_file(dir.join("config.json"))?;
+    let vb = unsafe { models::mmap_checkpoint(dir, DType::F32, &Device::Cpu)? };
+    MoeForCausalLm::new(&cfg, vb, experts)
+}
+
+fn logits(model: &mut MoeForCausalLm) -> Vec<f32> {
+    model.clear_kv_cache();
+    let ids = Tensor::new(&[[3u32, 1, 4, 1, 5, 9, 2, 6, 5, 3]], &Device::Cpu).unwrap();
+    model
+        .forward_all(&ids, 0)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+fn quantize(dir: &Path, group: usize) -> PackFile {
+    let opts = QuantizeOptions {
+        group_size: GroupSize::new(group).unwrap(),
+        source_model: "test/fixture".into(),
+        source_revision: "r1".into(),
+        ..Default::default()
+    };
+    models::quantize_checkpoint(dir, &opts, &|_, _| {}).unwrap()
+}
+
+fn err_string<T>(r: candle::Result<T>) -> String {
+    match r {
+        Ok(_) => panic!("expected an error"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn written_pack_loads_the_same_model_as_in_process_int4() {
+    let tmp = temp_dir("roundtrip");
+    for name in FIXTURES {
+        let dir = fixture_dir(name);
+        let calls = AtomicUsize::new(0);
+        let last = AtomicUsize::new(0);
+        let opts = QuantizeOptions {
+            group_size: GroupSize::new(64).unwrap(),
+            ..Default::default()
+        };
+        let pack = models::quantize_checkpoint(&dir, &opts, &|done, total| {
+            calls.fetch_add(1, Ordering::Relaxed);
+            last.fetch_max(done, Ordering::Relaxed);
+            assert_eq!(total, 2 * 8);
+        })
+        .unwrap();
+        assert_eq!(calls.into_inner(), 16);
+        assert_eq!(last.into_inner(), 16);
+        let meta = pack.meta().clone();
+        assert_eq!(meta.fingerprint, models::fingerprint(&dir).unwrap());
+        assert_eq!(meta.source_model, dir.display().to_string());
+        assert_eq!(meta.source_revision, "local");
+        assert_eq!(pack.layer_indices().collect::<Vec<_>>(), vec![0, 1]);
+
+        let path = tmp.join(format!("{name}.qmoe"));
+        pack.save(&path).unwrap();
+        let opened = PackFile::open(&path).unwrap();
+        assert_eq!(opened.meta(), &meta);
+        assert_eq!(opened.total_bytes(), pack.total_bytes());
+        for i in [0, 1] {
+            assert_eq!(
+                opened.layer(i).unwrap().bytes(),
+                pack.layer(i).unwrap().bytes()
+            );
+        }
+
+        let experts = PackedExperts::for_checkpoint(Arc::new(opened), &dir).unwrap();
+        let mut from_file = load(&dir, &experts).unwrap();
+        let mut in_process =
+            load(&dir, &ExpertsBackend::int4(GroupSize::new(64).unwrap())).unwrap();
+        assert_eq!(
+            logits(&mut from_file),
+            logits(&mut in_process),
+            "{name}: logits with the pack file differ from in-process INT4"
+        );
+    }
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
+
+/// A copy of `name` whose `model.layers.1.mlp.gate.weight` is nudged (or whose config.json is
+/// edited): the same architecture, another checkpoint.
+fn modified_copy(name: &str, tag: &str, edit_router: bool) -> PathBuf {
+    let src = fixture_dir(name);
+    let dir = temp_dir(tag);
+    let mut config = std::fs::read_to_string(src.join("config.json")).unwrap();
+    if edit_router {
+        let mut ts: HashMap<String, Tensor> =
+            candle::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+        let key = "model.layers.1.mlp.gate.weight";
+        let w = &ts[key];
+        let nudged = (w.to_dtype(DType::F32).unwrap() * 1.01)
+            .unwrap()
+            .to_dtype(w.dtype())
+            .unwrap();
+        ts.insert(key.to_string(), nudged);
+        candle::safetensors::save(&ts, dir.join("model.safetensors")).unwrap();
+    } else {
+        std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+        config = config.replace("\"rope_theta\": 10000.0", "\"rope_theta\": 20000.0");
+    }
+    std::fs::write(dir.join("config.json"), config).unwrap();
+    dir
+}
+
+#[test]
+fn pack_from_another_checkpoint_is_refused() {
+    let tmp = temp_dir("foreign");
+    let path = tmp.join("olmoe-tiny.qmoe");
+    quantize(&fixture_dir("olmoe-tiny"), 128)
+        .save(&path)
+        .unwrap();
+    let pack = Arc::new(PackFile::open(&path).unwrap());
+
+    // The checkpoint it came from accepts it.
+    let own = PackedExperts::for_checkpoint(pack.clone(), fixture_dir("olmoe-tiny")).unwrap();
+    load(&fixture_dir("olmoe-tiny"), &own).unwrap();
+
+    // Same architecture, other router weights; same weights, other config.json; another family.
+    let router_dir = modified_copy("olmoe-tiny", "router", true);
+    let config_dir = modified_copy("olmoe-tiny", "config", false);
+    for dir in [&router_dir, &config_dir, &fixture_dir("qwen2moe-tiny")] {
+        assert_ne!(
+            models::fingerprint(dir).unwrap(),
+            pack.meta().fingerprint,
+            "{}",
+            dir.display()
+        );
+        let experts = PackedExperts::for_checkpoint(pack.clone(), dir).unwrap();
+        let msg = err_string(load(dir, &experts));
+        assert!(
+            msg.contains("pack was made from test/fixture (revision r1")
+                && msg.contains("not from this checkpoint")
+                && msg.contains("re-run quantize"),
+            "{}: {msg}",
+            dir.display()
+        );
+    }
+
+    // A synthetic model's pack is refused by a real checkpoint, and a pack whose shapes differ is
+    // refused even under the right fingerprint.
+    let synth = SyntheticModel::new(SyntheticKind::Tiny, 1, GroupSize::default()).unwrap();
+    let experts =
+        PackedExperts::for_checkpoint(synth.pack().clone(), fixture_dir("olmoe-tiny")).unwrap();
+    assert!(err_string(load(&fixture_dir("olmoe-tiny"), &experts)).contains("synthetic:tiny"));
+    let experts = PackedExperts::new(synth.pack().clone(), synth.fingerprint());
+    let msg = err_string(load(&fixture_dir("qwen2moe-tiny"), &experts));
+    assert!(
+        msg.contains("pack holds H 256 I 128 × 8 experts; the model has H 256 I 192 × 8"),
+        "{msg}"
+    );
+
+    for d in [tmp, router_dir, config_dir] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+#[test]
+fn fingerprint_and_in_memory_packs_report_bad_input() {
+    // A checkpoint without one MoE router names the tensor.
+    let dir = temp_dir("norouter");
+    let src = fixture_dir("qwen2moe-tiny");
+    let mut ts: HashMap<String, Tensor> =
+        candle::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    ts.remove("model.layers.1.mlp.gate.weight").unwrap();
+    candle::safetensors::save(&ts, dir.join("model.safetensors")).unwrap();
+    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+    let msg = err_string(models::fingerprint(&dir));
+    assert!(msg.contains("model.layers.1.mlp.gate.weight"), "{msg}");
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    // PackFile::from_layers checks each layer against the header.
+    let pack = quantize(&fixture_dir("olmoe-tiny"), 128);
+    let meta: PackMeta = pack.meta().clone();
+    let layer: LayerPack = pack.layer(0).unwrap();
+    let dup = PackFile::from_layers(meta.clone(), [(0, layer.clone()), (0, layer.clone())]);
+    assert!(dup
+        .unwrap_err()
+        .to_string()
+        .contains("layer 0 is given twice"));
+    let mut other = meta.clone();
+    other.num_experts = 4;
+    let msg = PackFile::from_layers(other, [(0, layer)])
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("header says"), "{msg}");
+    assert!(PackFile::from_layers(meta, []).is_err());
+}

@@ -1,0 +1,124 @@
+//! The synthetic models and the generation loop: deterministic weights and tokens for a seed,
+//! the stop conditions, and INT4 slabs that the kernels and the dequantizer read alike.
+
+use candle::{DType, Device};
+use candle_qmoe::generation::{argmax, generate, Generation, StopReason};
+use candle_qmoe::models::MoeForCausalLm;
+use candle_qmoe::pack::GroupSize;
+use candle_qmoe::parity::logit_agreement;
+use candle_qmoe::synthetic::{SyntheticKind, SyntheticModel};
+use candle_transformers::generation::LogitsProcessor;
+
+const PROMPT: [u32; 6] = [50279, 510, 3158, 8516, 30013, 27287];
+
+fn tiny(seed: u64) -> SyntheticModel {
+    SyntheticModel::new(SyntheticKind::Tiny, seed, GroupSize::default()).unwrap()
+}
+
+fn int4_model(s: &SyntheticModel) -> MoeForCausalLm {
+    s.load(DType::F32, &Device::Cpu, &s.int4_experts()).unwrap()
+}
+
+fn sampled(model: &mut MoeForCausalLm, seed: u64, n: usize) -> Generation {
+    let mut lp = LogitsProcessor::new(seed, Some(0.8), Some(0.95));
+    generate(model, &PROMPT, n, &[], |l, _| lp.sample(l), |_| Ok(())).unwrap()
+}
+
+#[test]
+fn synthetic_tiny_generation_is_deterministic_for_a_seed() {
+    let (a, b) = (tiny(7), tiny(7));
+    assert_eq!(a.fingerprint(), b.fingerprint());
+    assert_eq!(
+        a.pack().layer(1).unwrap().bytes(),
+        b.pack().layer(1).unwrap().bytes()
+    );
+    assert_ne!(a.fingerprint(), tiny(8).fingerprint());
+    let spec = a.spec();
+    assert_eq!(
+        (spec.vocab_size, spec.hidden_size, spec.num_layers()),
+        (50304, 256, 2)
+    );
+
+    let (mut ma, mut mb) = (int4_model(&a), int4_model(&b));
+    let ga = sampled(&mut ma, 299792458, 12);
+    let gb = sampled(&mut mb, 299792458, 12);
+    assert_eq!(ga.tokens, gb.tokens);
+    assert_eq!(ga.tokens.len(), 12);
+    assert_eq!(ga.stop, StopReason::MaxTokens);
+    assert_eq!(ga.prompt_tokens, PROMPT.len());
+    assert!(ga.tokens.iter().all(|&t| t < 50304));
+    assert!(ga.decode_tokens_per_s().unwrap() > 0.0 && ga.prompt_tokens_per_s() > 0.0);
+    // The same model again (the KV cache is cleared by `generate`) gives the same tokens.
+    assert_eq!(sampled(&mut ma, 299792458, 12).tokens, ga.tokens);
+
+    // Greedy too; another sampling seed gives another sequence.
+    let greedy = |m: &mut MoeForCausalLm| {
+        generate(m, &PROMPT, 8, &[], argmax, |_| Ok(()))
+            .unwrap()
+            .tokens
+    };
+    assert_eq!(greedy(&mut ma), greedy(&mut mb));
+    assert_ne!(sampled(&mut ma, 1, 12).tokens, ga.tokens);
+}
+
+#[test]
+fn generation_stops_at_eos_and_at_the_context() {
+    let s = tiny(3);
+    let mut model = int4_model(&s);
+    let first = generate(&mut model, &PROMPT, 4, &[], argmax, |_| Ok(())).unwrap();
+    let eos = first.tokens[1];
+    let mut streamed = Vec::new();
+    let g = generate(&mut model, &PROMPT, 4, &[eos], argmax, |t| {
+        streamed.push(t);
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(g.stop, StopReason::Eos);
+    assert_eq!(g.tokens, first.tokens[..2].to_vec());
+    assert_eq!(streamed, g.tokens);
+
+    // A model with a context of 8 tokens: 6 prompt tokens leave room for 2.
+    let mut spec = s.spec().clone();
+    spec.max_position_embeddings = 8;
+    let mut short = MoeForCausalLm::new(
+        &spec,
+        s.var_builder(DType::F32, &Device::Cpu),
+        &s.int4_experts(),
+    )
+    .unwrap();
+    let g = generate(&mut short, &PROMPT, 10, &[], argmax, |_| Ok(())).unwrap();
+    assert_eq!((g.stop, g.tokens.len()), (StopReason::ContextFull, 2));
+    let long: Vec<u32> = (0..9).collect();
+    let msg = generate(&mut short, &long, 1, &[], argmax, |_| Ok(()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("longer than the model's context of 8"),
+        "{msg}"
+    );
+    assert!(generate(&mut short, &[], 1, &[], argmax, |_| Ok(())).is_err());
+}
+
+/// The random slabs are valid INT4: the kernel on them matches the dense oracle on their
+/// dequantized weights, in the whole model.
+#[test]
+fn synthetic_int4_matches_its_dequantized_experts() {
+    for group in [32, 128] {
+        let s =
+            SyntheticModel::new(SyntheticKind::Tiny, 5, GroupSize::new(group).unwrap()).unwrap();
+        let mut int4 = int4_model(&s);
+        let mut dense = s
+            .load(DType::F32, &Device::Cpu, &s.dense_experts(DType::F32))
+            .unwrap();
+        let ids = candle::Tensor::new(&[PROMPT], &Device::Cpu).unwrap();
+        let a = int4.forward_all(&ids, 0).unwrap().squeeze(0).unwrap();
+        let b = dense.forward_all(&ids, 0).unwrap().squeeze(0).unwrap();
+        let m = logit_agreement(&a, &b).unwrap();
+        assert_eq!(m.top1, 1.0, "g{group}");
+        assert!(m.max_abs_diff < 1e-3, "g{group}: {}", m.max_abs_diff);
+        // Logits of a random model with std-0.02 weights are O(1), not degenerate.
+        let std = b.flatten_all().unwrap().sqr().unwrap().mean_all().unwrap();
+        let std = std.to_scalar::<f32>().unwrap().sqrt();
+        assert!((0.1..10.0).contains(&std), "logit RMS {std}");
+    }
+}
