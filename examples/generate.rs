@@ -491,6 +491,9 @@ fn report(
     );
     if let Some(path) = &args.stats_json {
         let stats = json!({
+            "cpu": common::cpu_model(),
+            "commit": common::git_commit(),
+            "command": std::env::args().collect::<Vec<_>>().join(" "),
             "model_id": loaded.model_id,
             "revision": loaded.revision,
             "experts": format!("{:?}", args.experts).to_lowercase(),

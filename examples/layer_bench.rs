@@ -6,6 +6,8 @@
 //! cargo run --release --example layer_bench -- --shape olmoe --tokens 1
 //! ```
 
+mod common;
+
 use std::time::Instant;
 
 use anyhow::{bail, Result};
@@ -88,24 +90,6 @@ fn memory_bandwidth() -> (f64, f64) {
         bytes / median(&mut read) / 1e9,
         bytes / median(&mut copy) / 1e9,
     )
-}
-
-/// The CPU model name, or `null` when unknown.
-fn cpu_model() -> Option<String> {
-    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("model name"))?;
-    Some(line.split(':').nth(1)?.trim().to_string())
-}
-
-/// The current git commit (with `-dirty` when the tree has changes), or `null`.
-fn git_commit() -> Option<String> {
-    let out = std::process::Command::new("git")
-        .args(["describe", "--always", "--dirty", "--abbrev=12"])
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
 fn main() -> Result<()> {
@@ -220,7 +204,7 @@ fn main() -> Result<()> {
     let (read_gb_per_s, copy_gb_per_s) = memory_bandwidth();
     let get = |n: &str| backends.iter().position(|(b, _)| *b == n).map(|i| ms[i]);
     let line = json!({
-        "device": cpu_model(), "commit": git_commit(),
+        "device": common::cpu_model(), "commit": common::git_commit(),
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "shape": name, "hidden": hidden, "intermediate": inter, "experts": experts, "top_k": k,
         "tokens": t, "group_size": args.group_size, "cpu_isa": format!("{:?}", CpuIsa::detect()),

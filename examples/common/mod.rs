@@ -1,6 +1,6 @@
-//! Helpers shared by the `generate` and `quantize` examples: finding a checkpoint (local folder
+//! Helpers shared by the examples: finding a checkpoint (local folder
 //! or Hugging Face hub), the bundled offline tokenizers, the quantization progress bar, and
-//! memory figures.
+//! memory figures, and the device/commit recorded in evidence files.
 #![allow(dead_code)]
 
 use std::io::Read;
@@ -171,4 +171,22 @@ pub fn human_bytes(bytes: u64) -> String {
         b20 if b20 >= 1 << 20 => format!("{:.2} MiB", b / (1u64 << 20) as f64),
         _ => format!("{:.2} KiB", b / 1024.0),
     }
+}
+
+/// The CPU model name, or `null` when unknown.
+pub fn cpu_model() -> Option<String> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("model name"))?;
+    Some(line.split(':').nth(1)?.trim().to_string())
+}
+
+/// The current git commit (with `-dirty` when the tree has changes), or `null`.
+pub fn git_commit() -> Option<String> {
+    let out = std::process::Command::new("git")
+        .args(["describe", "--always", "--dirty", "--abbrev=12"])
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
