@@ -265,7 +265,9 @@ fn main() {
     args.test_threads.get_or_insert(1);
     let device = Device::new_cuda(0);
     if let Err(e) = &device {
-        eprintln!("SKIPPED: no CUDA device ({e}); the GPU tests below are reported as ignored");
+        let why = e.to_string();
+        let why = why.lines().next().unwrap_or("");
+        eprintln!("SKIPPED: no CUDA device ({why}); the GPU tests below are reported as ignored");
     }
     let mut trials = vec![Trial::test("ptx::targets_isa_and_entry_points", ptx_checks)];
     for (i, c) in cases().into_iter().enumerate() {

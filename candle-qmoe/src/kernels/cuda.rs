@@ -113,6 +113,10 @@ fn x_pitch(cols: usize, es: usize) -> usize {
 }
 
 /// One layer's packed experts resident on a CUDA device.
+///
+/// Calls are ordered on the device's stream; the decode path's arrival counters are shared
+/// state, so one `DeviceExperts` must not run on two streams at once (a model runs a layer
+/// after the other on one stream, which is what it is for).
 pub struct DeviceExperts {
     device: CudaDevice,
     layout: ExpertLayout,
@@ -200,6 +204,9 @@ impl DeviceExperts {
         };
         let slot_of = device.clone_htod(slots)?;
         let counters = device.alloc_zeros::<u32>(layout.hidden.div_ceil(DEC_ROWS))?;
+        // Candle's stream is per host thread: finish the copies here so that a call from any
+        // thread sees complete slabs and zeroed counters.
+        stream.synchronize().w()?;
         Ok(Self {
             device: device.clone(),
             layout,
