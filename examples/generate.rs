@@ -11,92 +11,31 @@
 //! Prints the completion as it is generated, then a stats line: prompt tokens and prefill rate,
 //! generated tokens and decode rate ((generated − 1) / time after the first token), time to
 //! first token, peak RSS. `--stats-json PATH` writes the same figures plus the generated ids.
+//!
+//! `--resident N|all` serves the INT4 experts through a bounded cache of N experts per layer
+//! (host memory on the CPU) and adds a residency line: hits, misses, evictions, bytes copied,
+//! prefetches (`--prefetch`) and misses computed on the CPU (`--hybrid auto|always`).
 
 mod common;
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device};
 use candle_qmoe::generation::{generate, Generation};
-use candle_qmoe::models::{
-    self, AnyConfig, ExpertsBackend, ExpertsLoader, MoeForCausalLm, PackedExperts, QuantizeOptions,
-};
-use candle_qmoe::pack::{GroupSize, PackFile};
-use candle_qmoe::synthetic::{SyntheticKind, SyntheticModel};
+use candle_qmoe::pack::GroupSize;
 use candle_transformers::generation::LogitsProcessor;
-use clap::{Parser, ValueEnum};
+use clap::Parser;
+use common::model::{Loaded, ModelArgs, Template};
 use serde_json::json;
-use tokenizers::Tokenizer;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Experts {
-    /// INT4 weights with FP16 group scales, computed by the W4A16 kernels.
-    Int4,
-    /// Dense BF16 experts (the unquantized baseline).
-    Bf16,
-    /// Dense F32 experts.
-    F32,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Dtype {
-    /// 32-bit floats (the CPU default).
-    F32,
-    /// bfloat16 (the GPU default).
-    Bf16,
-    /// IEEE half precision.
-    F16,
-}
-
-impl Dtype {
-    fn dtype(self) -> DType {
-        match self {
-            Self::F32 => DType::F32,
-            Self::Bf16 => DType::BF16,
-            Self::F16 => DType::F16,
-        }
-    }
-}
 
 #[derive(Parser, Debug)]
 #[command(about = "Generate text with a MoE model whose routed experts run in INT4")]
 struct Args {
-    /// Hugging Face model id: allenai/OLMoE-1B-7B-0924(-Instruct), allenai/OLMoE-1B-7B-0125(-Instruct),
-    /// Qwen/Qwen1.5-MoE-A2.7B(-Chat).
-    #[arg(long, default_value = "allenai/OLMoE-1B-7B-0924-Instruct")]
-    model_id: String,
-    /// Hub revision (branch, tag or commit).
-    #[arg(long)]
-    revision: Option<String>,
-    /// Local checkpoint folder (config.json, safetensors, tokenizer.json) instead of the hub.
-    #[arg(long, conflicts_with = "synthetic")]
-    model_dir: Option<PathBuf>,
-    /// Offline model with random weights and real shapes: tiny, olmoe or qwen2moe.
-    #[arg(long, value_parser = parse_synthetic)]
-    synthetic: Option<SyntheticKind>,
-    /// Seed of the synthetic model's weights.
-    #[arg(long, default_value_t = 42, requires = "synthetic")]
-    synthetic_seed: u64,
-    /// Expert pack: loaded when the file exists (refused if made from another checkpoint),
-    /// otherwise created from the checkpoint and written there. Without it, `--experts int4`
-    /// quantizes in memory at every start.
-    #[arg(long, conflicts_with = "synthetic")]
-    pack: Option<PathBuf>,
-    /// How the routed experts are stored and computed.
-    #[arg(long, value_enum, default_value = "int4")]
-    experts: Experts,
-    /// INT4 group size (32, 64, 128, 256) when quantizing; default 128. An existing pack keeps
-    /// its own and must match when this is given.
-    #[arg(long)]
-    group_size: Option<usize>,
-    /// Compute dtype of everything except the routed experts (default: f32 on the CPU, bf16 on
-    /// a GPU).
-    #[arg(long, value_enum)]
-    dtype: Option<Dtype>,
+    #[command(flatten)]
+    model: ModelArgs,
     /// The prompt.
     #[arg(
         long,
@@ -121,9 +60,6 @@ struct Args {
     /// Context size the repeat penalty looks back over.
     #[arg(long, default_value_t = 64)]
     repeat_last_n: usize,
-    /// Run on the CPU even when a GPU is available.
-    #[arg(long)]
-    cpu: bool,
     /// Send the prompt as raw text, without the chat template of Instruct/Chat models.
     #[arg(long, conflicts_with = "chat")]
     no_chat: bool,
@@ -133,219 +69,6 @@ struct Args {
     /// Write the stats and the generated token ids to this JSON file.
     #[arg(long)]
     stats_json: Option<PathBuf>,
-}
-
-fn parse_synthetic(s: &str) -> Result<SyntheticKind, String> {
-    s.parse().map_err(|e: candle_qmoe::QmoeError| e.to_string())
-}
-
-/// The chat templates of the supported Instruct/Chat models.
-#[derive(Clone, Copy, Debug)]
-enum Template {
-    /// OLMoE-Instruct (tulu): `<|endoftext|><|user|>\n{prompt}\n<|assistant|>\n`.
-    Tulu,
-    /// Qwen1.5-Chat (ChatML with the default system prompt).
-    ChatMl,
-}
-
-impl Template {
-    fn for_family(model_type: &str) -> Option<Self> {
-        match model_type {
-            "olmoe" => Some(Self::Tulu),
-            "qwen2_moe" => Some(Self::ChatMl),
-            _ => None,
-        }
-    }
-
-    fn apply(self, prompt: &str) -> String {
-        match self {
-            Self::Tulu => format!("<|endoftext|><|user|>\n{prompt}\n<|assistant|>\n"),
-            Self::ChatMl => format!(
-                "<|im_start|>system\nYou are a helpful assistant<|im_end|>\n\
-                 <|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
-            ),
-        }
-    }
-
-    /// Tokens that end an answer, besides the config's `eos_token_id`.
-    fn stop_tokens(self) -> &'static [&'static str] {
-        match self {
-            Self::Tulu => &["<|endoftext|>"],
-            Self::ChatMl => &["<|im_end|>", "<|endoftext|>"],
-        }
-    }
-}
-
-/// Everything `main` needs once the model is built.
-struct Loaded {
-    model: MoeForCausalLm,
-    tokenizer: Tokenizer,
-    model_id: String,
-    revision: String,
-    /// Instruct/Chat model (or synthetic): use the chat template unless `--no-chat`.
-    instruct: bool,
-    /// `eos_token_id`s from config.json and generation_config.json.
-    eos: Vec<u32>,
-    /// Group size of the INT4 experts.
-    group_size: Option<usize>,
-}
-
-/// The `eos_token_id` (a number or a list) of a config JSON.
-fn eos_ids(config: &serde_json::Value) -> Vec<u32> {
-    match &config["eos_token_id"] {
-        serde_json::Value::Number(n) => n.as_u64().map(|v| v as u32).into_iter().collect(),
-        serde_json::Value::Array(a) => a
-            .iter()
-            .filter_map(|v| v.as_u64())
-            .map(|v| v as u32)
-            .collect(),
-        _ => Vec::new(),
-    }
-}
-
-fn read_json(path: &std::path::Path) -> Option<serde_json::Value> {
-    serde_json::from_slice(&std::fs::read(path).ok()?).ok()
-}
-
-fn group_size(args: &Args) -> Result<GroupSize> {
-    Ok(GroupSize::new(args.group_size.unwrap_or(128))?)
-}
-
-fn load_synthetic(
-    args: &Args,
-    kind: SyntheticKind,
-    dtype: DType,
-    device: &Device,
-) -> Result<Loaded> {
-    println!(
-        "synthetic {kind} model: real shapes, deterministic RANDOM weights (seed {}) — the text \
-         it generates is nonsense; it shows that everything runs and what speed and memory to \
-         expect",
-        args.synthetic_seed
-    );
-    let group = group_size(args)?;
-    let synth = SyntheticModel::new(kind, args.synthetic_seed, group)?;
-    let experts = match args.experts {
-        Experts::Int4 => synth.int4_experts(),
-        Experts::Bf16 | Experts::F32 => {
-            let dt = if args.experts == Experts::Bf16 {
-                DType::BF16
-            } else {
-                DType::F32
-            };
-            let need = synth.dense_expert_bytes(dt) as u64;
-            if let Some(avail) = common::available_memory_bytes().filter(|&a| need > a) {
-                bail!(
-                    "dense {:?} experts of the synthetic {kind} model need {}, more than the {} \
-                     of memory available; use --experts int4 or --synthetic tiny",
-                    args.experts,
-                    common::human_bytes(need),
-                    common::human_bytes(avail)
-                );
-            }
-            if need > 4 << 30 {
-                eprintln!(
-                    "warning: dense experts take {} of memory",
-                    common::human_bytes(need)
-                );
-            }
-            synth.dense_experts(dt)
-        }
-    };
-    let model = synth.load(dtype, device, &experts)?;
-    let model_type = synth.config().model_type();
-    Ok(Loaded {
-        model,
-        tokenizer: common::bundled_tokenizer(model_type)?,
-        model_id: format!("synthetic:{kind}"),
-        revision: format!("seed {}", args.synthetic_seed),
-        instruct: true,
-        eos: eos_ids(&kind.config_json()),
-        group_size: (args.experts == Experts::Int4).then_some(group.get()),
-    })
-}
-
-/// The expert pack for `--experts int4`: `--pack` loaded or created, or quantized in memory.
-fn int4_pack(args: &Args, ckpt: &common::Checkpoint) -> Result<PackFile> {
-    let opts = QuantizeOptions {
-        group_size: group_size(args)?,
-        source_model: ckpt.model_id.clone(),
-        source_revision: ckpt.revision.clone(),
-        ..Default::default()
-    };
-    let Some(path) = &args.pack else {
-        return common::quantize_with_progress(&ckpt.dir, &opts);
-    };
-    if !path.exists() {
-        println!("creating the expert pack `{}`", path.display());
-        common::quantize_with_progress(&ckpt.dir, &opts)?.save(path)?;
-    }
-    let pack = PackFile::open(path)?;
-    let m = pack.meta();
-    if let Some(g) = args.group_size.filter(|&g| g != m.layout.group_size.get()) {
-        bail!(
-            "`{}` has group size {}, not the requested {g}; drop --group-size or use another --pack",
-            path.display(),
-            m.layout.group_size.get()
-        );
-    }
-    println!(
-        "expert pack `{}`: group size {}, made from {} (revision {})",
-        path.display(),
-        m.layout.group_size.get(),
-        m.source_model,
-        m.source_revision
-    );
-    Ok(pack)
-}
-
-fn load_checkpoint(args: &Args, dtype: DType, device: &Device) -> Result<Loaded> {
-    let ckpt = common::resolve_checkpoint(
-        args.model_dir.as_deref(),
-        &args.model_id,
-        args.revision.as_deref(),
-    )?;
-    let config = AnyConfig::from_file(ckpt.dir.join("config.json"))?;
-    let (experts, group): (Box<dyn ExpertsLoader>, _) = match args.experts {
-        Experts::Int4 => {
-            let pack = Arc::new(int4_pack(args, &ckpt)?);
-            let group = pack.meta().layout.group_size.get();
-            (
-                Box::new(PackedExperts::for_checkpoint(pack, &ckpt.dir)?),
-                Some(group),
-            )
-        }
-        Experts::Bf16 | Experts::F32 if args.pack.is_some() => {
-            bail!("--pack holds INT4 experts; it only applies to --experts int4")
-        }
-        Experts::Bf16 => (Box::new(ExpertsBackend::DenseAs(DType::BF16)), None),
-        Experts::F32 => (Box::new(ExpertsBackend::DenseAs(DType::F32)), None),
-    };
-    // SAFETY: the checkpoint files are not modified while the model is alive.
-    let vb = unsafe { models::mmap_checkpoint(&ckpt.dir, dtype, device)? };
-    let model =
-        MoeForCausalLm::new(&config, vb, experts.as_ref()).with_context(|| match &args.pack {
-            Some(p) => format!(
-                "cannot build the model with the expert pack `{}` (delete it or pass another \
-                 --pack path to re-create it from this checkpoint)",
-                p.display()
-            ),
-            None => "cannot build the model".to_string(),
-        })?;
-    let mut eos = eos_ids(&read_json(&ckpt.dir.join("config.json")).unwrap_or_default());
-    eos.extend(eos_ids(
-        &read_json(&ckpt.dir.join("generation_config.json")).unwrap_or_default(),
-    ));
-    let name = ckpt.model_id.to_lowercase();
-    Ok(Loaded {
-        model,
-        tokenizer: common::load_tokenizer(&ckpt.dir, config.model_type())?,
-        instruct: name.contains("instruct") || name.contains("chat"),
-        model_id: ckpt.model_id,
-        revision: ckpt.revision,
-        eos,
-        group_size: group,
-    })
 }
 
 fn check_args(args: &Args) -> Result<()> {
@@ -361,7 +84,7 @@ fn check_args(args: &Args) -> Result<()> {
     if !(args.repeat_penalty.is_finite() && args.repeat_penalty > 0.0) {
         bail!("--repeat-penalty {} must be > 0", args.repeat_penalty);
     }
-    if let Some(g) = args.group_size {
+    if let Some(g) = args.model.group_size {
         GroupSize::new(g)?;
     }
     Ok(())
@@ -370,21 +93,10 @@ fn check_args(args: &Args) -> Result<()> {
 fn main() -> Result<()> {
     let args = Args::parse();
     check_args(&args)?;
-    let device = if args.cpu {
-        Device::Cpu
-    } else {
-        Device::cuda_if_available(0)?
-    };
-    let dtype = args.dtype.map(Dtype::dtype).unwrap_or(if device.is_cuda() {
-        DType::BF16
-    } else {
-        DType::F32
-    });
+    let device = args.model.device()?;
+    let dtype = args.model.compute_dtype(&device);
     let start = Instant::now();
-    let mut loaded = match args.synthetic {
-        Some(kind) => load_synthetic(&args, kind, dtype, &device)?,
-        None => load_checkpoint(&args, dtype, &device)?,
-    };
+    let mut loaded = args.model.load(dtype, &device)?;
     let load_time = start.elapsed();
     let spec = loaded.model.spec().clone();
     println!(
@@ -392,7 +104,7 @@ fn main() -> Result<()> {
         loaded.model_id,
         spec.model_type,
         loaded.revision,
-        args.experts,
+        args.model.experts,
         loaded
             .group_size
             .map(|g| format!(" g{g}"))
@@ -489,6 +201,12 @@ fn report(
         rss.map_or("n/a".to_string(), common::human_bytes),
         g.stop
     );
+    if let Some(r) = &loaded.residency {
+        println!(
+            "residency: {}",
+            common::model::residency_line(&r.stats(), &r.capacities())
+        );
+    }
     if let Some(path) = &args.stats_json {
         let stats = json!({
             "cpu": common::cpu_model(),
@@ -496,7 +214,7 @@ fn report(
             "command": std::env::args().collect::<Vec<_>>().join(" "),
             "model_id": loaded.model_id,
             "revision": loaded.revision,
-            "experts": format!("{:?}", args.experts).to_lowercase(),
+            "experts": format!("{:?}", args.model.experts).to_lowercase(),
             "group_size": loaded.group_size,
             "dtype": format!("{dtype:?}").to_lowercase(),
             "device": format!("{device:?}"),
@@ -514,6 +232,7 @@ fn report(
             "top_p": args.top_p,
             "repeat_penalty": args.repeat_penalty,
             "token_ids": g.tokens,
+            "residency": common::model::residency_json(loaded.residency.as_ref()),
         });
         std::fs::write(path, serde_json::to_string_pretty(&stats)? + "\n")
             .with_context(|| format!("cannot write `{}`", path.display()))?;

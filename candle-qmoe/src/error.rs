@@ -29,6 +29,18 @@ pub enum QmoeError {
     /// A pack is corrupt, truncated, or does not belong to this model.
     #[error("invalid expert pack: {0}")]
     Pack(String),
+    /// A memory plan cannot be made or does not fit its budget (see [`crate::plan`]).
+    #[error("memory plan: {0}")]
+    Plan(String),
+    /// The device (or the host memory standing in for it) cannot hold an allocation.
+    #[error("out of device memory: {0}")]
+    OutOfMemory(String),
+    /// A host → device copy of an expert failed; the previously published cache stays valid.
+    #[error("expert copy failed: {0}")]
+    CopyFailed(String),
+    /// A residency profile that cannot work (capacity below top-k, staging below one expert).
+    #[error("residency profile refused: {0}")]
+    Residency(String),
 }
 
 impl From<QmoeError> for candle::Error {

@@ -24,10 +24,19 @@ pub trait RoutedExperts: Send + Sync {
     /// The weighted sum of the chosen experts' outputs.
     fn forward(&self, xs: &Tensor, expert_ids: &Tensor, weights: &Tensor)
         -> candle::Result<Tensor>;
+    /// Starts making `expert_ids` (a guess at this layer's next routing) resident; a no-op for
+    /// backends that hold every expert.
+    fn prefetch(&self, _expert_ids: &[u32]) -> candle::Result<()> {
+        Ok(())
+    }
+    /// Whether [`RoutedExperts::prefetch`] does anything.
+    fn supports_prefetch(&self) -> bool {
+        false
+    }
 }
 
 /// Checks the shapes of a routed call and returns `(tokens, top_k)`.
-fn check_call(
+pub(crate) fn check_call(
     xs: &Tensor,
     expert_ids: &Tensor,
     weights: &Tensor,
@@ -322,7 +331,8 @@ impl RoutedExperts for Int4Experts {
     }
 }
 
-fn contiguous_slice<'a, T: candle::WithDType>(
+/// The contiguous elements of a CPU storage, or an error naming `what`.
+pub(crate) fn contiguous_slice<'a, T: candle::WithDType>(
     s: &'a CpuStorage,
     l: &Layout,
     what: &str,

@@ -5,6 +5,8 @@
 //! * [`experts`] — the [`RoutedExperts`] trait with the dense oracle and the INT4 backend.
 //! * [`moe`] — [`SparseMoe`]: router → softmax → top-k → routed experts (+ shared expert).
 //! * [`mlp`] — the gated SiLU MLP used by dense layers and shared experts.
+//! * [`residency`] — a bounded per-layer cache of experts in device memory over the immutable
+//!   host pack: slots, staging, safe publication, eviction policies, prefetch, hybrid compute.
 //! * [`models`] — Candle-style OLMoE and Qwen2-MoE ports on [`SparseMoe`], checkpoint loading,
 //!   fingerprints and `.qmoe` packs of a checkpoint's experts.
 //! * [`generation`] — the generation loop with prefill/decode timings.
@@ -67,6 +69,7 @@ pub mod models;
 pub mod moe;
 pub mod pack;
 pub mod parity;
+pub mod residency;
 pub mod synthetic;
 
 pub use error::QmoeError;

@@ -49,6 +49,18 @@ impl Module for SharedExpert {
     }
 }
 
+/// The next MoE layer's router and experts, for prefetching its likely experts.
+#[derive(Clone)]
+struct PrefetchTarget {
+    router: Linear,
+    top_k: usize,
+    experts: Arc<dyn RoutedExperts>,
+}
+
+/// Most tokens of a call for which the next layer's experts are prefetched: beyond a few tokens
+/// a call routes to most experts anyway.
+pub const PREFETCH_MAX_TOKENS: usize = 4;
+
 /// A sparse MoE block with a swappable routed-experts backend.
 #[derive(Clone)]
 pub struct SparseMoe {
@@ -57,6 +69,7 @@ pub struct SparseMoe {
     top_k: usize,
     norm_topk_prob: bool,
     shared: Option<SharedExpert>,
+    prefetch: Option<PrefetchTarget>,
 }
 
 impl std::fmt::Debug for SparseMoe {
@@ -66,6 +79,7 @@ impl std::fmt::Debug for SparseMoe {
             .field("top_k", &self.top_k)
             .field("norm_topk_prob", &self.norm_topk_prob)
             .field("shared_expert", &self.shared.is_some())
+            .field("prefetch_next", &self.prefetch.is_some())
             .finish()
     }
 }
@@ -98,7 +112,40 @@ impl SparseMoe {
             top_k,
             norm_topk_prob,
             shared,
+            prefetch: None,
         })
+    }
+
+    /// From now on, before computing its experts, this block applies `next`'s router to its
+    /// own input (a cheap guess at `next`'s routing) and asks `next`'s experts to prefetch the
+    /// guess, so the copies overlap this block's compute. Does nothing when `next`'s backend
+    /// cannot prefetch; returns whether it was linked.
+    pub fn prefetch_for(&mut self, next: &SparseMoe) -> bool {
+        let linked = next.experts.supports_prefetch();
+        self.prefetch = linked.then(|| PrefetchTarget {
+            router: next.router.clone(),
+            top_k: next.top_k,
+            experts: next.experts.clone(),
+        });
+        linked
+    }
+
+    /// Issues the prefetch of the next layer's guessed experts for `xs [N, H]`.
+    fn prefetch_next(&self, xs: &Tensor) -> candle::Result<()> {
+        let Some(next) = &self.prefetch else {
+            return Ok(());
+        };
+        if xs.dim(0)? > PREFETCH_MAX_TOKENS {
+            return Ok(());
+        }
+        let ids = next
+            .router
+            .forward(xs)?
+            .arg_sort_last_dim(false)?
+            .narrow(D::Minus1, 0, next.top_k)?
+            .flatten_all()?
+            .to_vec1::<u32>()?;
+        next.experts.prefetch(&ids)
     }
 
     /// Loads the router `gate` `[E, H]` from the MoE block's VarBuilder.
@@ -173,6 +220,7 @@ impl SparseMoe {
             flat
         };
         let routing = self.route(&flat)?;
+        self.prefetch_next(&flat)?;
         let mut out = self
             .experts
             .forward(&flat, &routing.expert_ids, &routing.weights)?;

@@ -3,6 +3,8 @@
 //! memory figures, and the device/commit recorded in evidence files.
 #![allow(dead_code)]
 
+pub mod model;
+
 use std::io::Read;
 use std::path::{Path, PathBuf};
 

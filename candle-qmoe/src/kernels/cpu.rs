@@ -509,10 +509,29 @@ pub fn routed_forward<'a>(
     xs: &[f32],
     weights: &[f32],
 ) -> Vec<f32> {
+    let mut out = vec![0f32; xs.len()];
+    routed_forward_into(isa, layout, slab_of, plan, xs, weights, &mut out);
+    out
+}
+
+/// [`routed_forward`] adding onto `out [tokens, H]`: each output element continues its sum
+/// over the plan's experts in ascending order from the value already there. Running the
+/// experts of a routing in ascending chunks (e.g. as many as a bounded cache holds at once)
+/// therefore gives exactly the bits of one call over all of them.
+pub fn routed_forward_into<'a>(
+    isa: CpuIsa,
+    layout: ExpertLayout,
+    slab_of: &(dyn Fn(usize) -> &'a [u8] + Sync),
+    plan: &RoutePlan,
+    xs: &[f32],
+    weights: &[f32],
+    out: &mut [f32],
+) {
     assert!(isa.is_available(), "{isa:?} is not supported by this CPU");
     let (h, inter, g) = (layout.hidden, layout.intermediate, layout.group_size.get());
     let (tokens, k) = (plan.tokens, plan.top_k);
     assert_eq!(xs.len(), tokens * h);
+    assert_eq!(out.len(), tokens * h);
     assert_eq!(weights.len(), tokens * k);
     let offsets = layout.offsets();
     let matrix = |e: usize, down: bool| {
@@ -586,6 +605,9 @@ pub fn routed_forward<'a>(
             let rows = b * ROW_BLOCK..((b + 1) * ROW_BLOCK).min(h);
             let width = rows.len();
             let mut local = vec![0f32; tokens * width];
+            for (t, l) in local.chunks_exact_mut(width).enumerate() {
+                l.copy_from_slice(&out[t * h + rows.start..t * h + rows.end]);
+            }
             let mut y = Vec::new();
             for (e, slots) in &plan.groups {
                 let m = matrix(*e, true);
@@ -601,7 +623,6 @@ pub fn routed_forward<'a>(
             local
         })
         .collect();
-    let mut out = vec![0f32; tokens * h];
     for (b, local) in parts.iter().enumerate() {
         let width = local.len() / tokens.max(1);
         for t in 0..tokens {
@@ -609,5 +630,4 @@ pub fn routed_forward<'a>(
                 .copy_from_slice(&local[t * width..(t + 1) * width]);
         }
     }
-    out
 }

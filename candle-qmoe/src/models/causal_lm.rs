@@ -230,6 +230,24 @@ impl MoeForCausalLm {
         &self.layers
     }
 
+    /// Links every MoE block to the next one so that it prefetches the next layer's likely
+    /// experts (see [`SparseMoe::prefetch_for`]); returns how many blocks were linked (0 when
+    /// no backend can prefetch).
+    pub fn enable_prefetch(&mut self) -> usize {
+        let blocks: Vec<SparseMoe> = self.moe_blocks().map(|(_, m)| m.clone()).collect();
+        let mut linked = 0;
+        let mut next = blocks.iter().skip(1);
+        for layer in self.layers.iter_mut() {
+            if let FeedForward::Moe(m) = layer.mlp_mut() {
+                match next.next() {
+                    Some(n) => linked += usize::from(m.prefetch_for(n)),
+                    None => break,
+                }
+            }
+        }
+        linked
+    }
+
     /// The MoE blocks as `(layer index, block)`, in layer order.
     pub fn moe_blocks(&self) -> impl Iterator<Item = (usize, &SparseMoe)> {
         self.layers

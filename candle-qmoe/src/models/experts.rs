@@ -8,6 +8,7 @@ use candle::DType;
 use candle_nn::VarBuilder;
 
 use crate::pack::{ExpertLayout, GroupSize, LayerPack, PackFile, ScaleSearch};
+use crate::residency::{Residency, ResidencyOptions};
 use crate::{DenseExperts, Int4Experts, RoutedExperts, SparseMoe};
 
 /// The shape of one layer's routed experts, handed to an [`ExpertsLoader`].
@@ -21,6 +22,8 @@ pub struct ExpertDims {
     pub intermediate: usize,
     /// Routed experts in the layer.
     pub num_experts: usize,
+    /// Experts each token is routed to.
+    pub top_k: usize,
 }
 
 /// Builds the routed-experts backend of one MoE layer.
@@ -102,6 +105,7 @@ pub struct PackedExperts {
     pack: Arc<PackFile>,
     fingerprint: String,
     dense: Option<DType>,
+    residency: Option<Arc<Residency>>,
 }
 
 impl PackedExperts {
@@ -112,6 +116,7 @@ impl PackedExperts {
             pack,
             fingerprint: fingerprint.into(),
             dense: None,
+            residency: None,
         }
     }
 
@@ -126,6 +131,19 @@ impl PackedExperts {
     pub fn dequantized(mut self, dtype: DType) -> Self {
         self.dense = Some(dtype);
         self
+    }
+
+    /// Serves the INT4 experts through a bounded expert cache per layer with this profile
+    /// ([`crate::residency`]; on the CPU the cache lives in host memory). The counters of the
+    /// layers built are read from [`PackedExperts::residency`].
+    pub fn with_residency(mut self, options: ResidencyOptions) -> Self {
+        self.residency = Some(Arc::new(Residency::host(options)));
+        self
+    }
+
+    /// The residency of the layers built, when [`PackedExperts::with_residency`] was used.
+    pub fn residency(&self) -> Option<&Arc<Residency>> {
+        self.residency.as_ref()
     }
 
     /// The pack.
@@ -148,9 +166,19 @@ impl ExpertsLoader for PackedExperts {
             dims.num_experts,
         )?;
         let layer = self.pack.layer(dims.layer)?;
-        Ok(match self.dense {
-            None => Arc::new(Int4Experts::new(layer)),
-            Some(dtype) => Arc::new(DenseExperts::new(
+        Ok(match (self.dense, &self.residency) {
+            (None, Some(residency)) => {
+                if !vb.device().is_cpu() {
+                    candle::bail!(
+                        "a bounded expert cache is only implemented in host memory (CPU) so far; \
+                         on {:?} use full residency",
+                        vb.device()
+                    );
+                }
+                residency.layer(dims.layer, dims.top_k, layer)?
+            }
+            (None, None) => Arc::new(Int4Experts::new(layer)),
+            (Some(dtype), _) => Arc::new(DenseExperts::new(
                 layer.dequantize_experts(dtype, vb.device())?,
             )?),
         })

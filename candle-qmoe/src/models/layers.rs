@@ -281,6 +281,7 @@ impl FeedForward {
                     hidden: h,
                     intermediate: m.intermediate_size,
                     num_experts: m.num_experts,
+                    top_k: m.top_k,
                 };
                 let routed = experts.load(dims, vb)?;
                 Ok(Self::Moe(SparseMoe::new(
@@ -354,6 +355,11 @@ impl DecoderLayer {
     /// The feed-forward block.
     pub fn mlp(&self) -> &FeedForward {
         &self.mlp
+    }
+
+    /// The feed-forward block, mutably (e.g. to link prefetch).
+    pub fn mlp_mut(&mut self) -> &mut FeedForward {
+        &mut self.mlp
     }
 
     /// The attention block.

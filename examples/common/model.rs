@@ -1,0 +1,437 @@
+//! Building a model from the command line, shared by `generate` and `bench`: the model flags
+//! ([`ModelArgs`]), checkpoint or synthetic loading, expert packs, residency, chat templates.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use candle::{DType, Device};
+use candle_qmoe::models::{
+    self, AnyConfig, ExpertsBackend, ExpertsLoader, MoeForCausalLm, PackedExperts, QuantizeOptions,
+};
+use candle_qmoe::pack::{GroupSize, PackFile};
+use candle_qmoe::residency::{
+    HybridMode, PolicyKind, Residency, ResidencyOptions, ResidencyStats, Resident,
+};
+use candle_qmoe::synthetic::{SyntheticKind, SyntheticModel};
+use clap::ValueEnum;
+use serde_json::json;
+use tokenizers::Tokenizer;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Experts {
+    /// INT4 weights with FP16 group scales, computed by the W4A16 kernels.
+    Int4,
+    /// Dense BF16 experts (the unquantized baseline).
+    Bf16,
+    /// Dense F32 experts.
+    F32,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum Dtype {
+    /// 32-bit floats (the CPU default).
+    F32,
+    /// bfloat16 (the GPU default).
+    Bf16,
+    /// IEEE half precision.
+    F16,
+}
+
+impl Dtype {
+    pub fn dtype(self) -> DType {
+        match self {
+            Self::F32 => DType::F32,
+            Self::Bf16 => DType::BF16,
+            Self::F16 => DType::F16,
+        }
+    }
+}
+/// The flags that choose and build the model.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Hugging Face model id: allenai/OLMoE-1B-7B-0924(-Instruct), allenai/OLMoE-1B-7B-0125(-Instruct),
+    /// Qwen/Qwen1.5-MoE-A2.7B(-Chat).
+    #[arg(long, default_value = "allenai/OLMoE-1B-7B-0924-Instruct")]
+    pub model_id: String,
+    /// Hub revision (branch, tag or commit).
+    #[arg(long)]
+    pub revision: Option<String>,
+    /// Local checkpoint folder (config.json, safetensors, tokenizer.json) instead of the hub.
+    #[arg(long, conflicts_with = "synthetic")]
+    pub model_dir: Option<PathBuf>,
+    /// Offline model with random weights and real shapes: tiny, olmoe or qwen2moe.
+    #[arg(long, value_parser = parse_synthetic)]
+    pub synthetic: Option<SyntheticKind>,
+    /// Seed of the synthetic model's weights.
+    #[arg(long, default_value_t = 42, requires = "synthetic")]
+    pub synthetic_seed: u64,
+    /// Expert pack: loaded when the file exists (refused if made from another checkpoint),
+    /// otherwise created from the checkpoint and written there. Without it, `--experts int4`
+    /// quantizes in memory at every start.
+    #[arg(long, conflicts_with = "synthetic")]
+    pub pack: Option<PathBuf>,
+    /// How the routed experts are stored and computed.
+    #[arg(long, value_enum, default_value = "int4")]
+    pub experts: Experts,
+    /// INT4 group size (32, 64, 128, 256) when quantizing; default 128. An existing pack keeps
+    /// its own and must match when this is given.
+    #[arg(long)]
+    pub group_size: Option<usize>,
+    /// Compute dtype of everything except the routed experts (default: f32 on the CPU, bf16 on
+    /// a GPU).
+    #[arg(long, value_enum)]
+    pub dtype: Option<Dtype>,
+    /// Run on the CPU even when a GPU is available.
+    #[arg(long)]
+    pub cpu: bool,
+    /// INT4 experts kept resident per MoE layer: `all`, a number, or one number per layer
+    /// (comma-separated). Without it every expert is resident and no cache runs. On the CPU the
+    /// cache lives in host memory, so residency can be exercised and measured anywhere.
+    #[arg(long, value_parser = parse_resident)]
+    pub resident: Option<Resident>,
+    /// Eviction policy of the expert cache: lru, lfu or lfru.
+    #[arg(long, default_value = "lru", value_parser = parse_policy, requires = "resident")]
+    pub policy: PolicyKind,
+    /// Copy the next layer's likely experts while the current layer computes.
+    #[arg(long, requires = "resident")]
+    pub prefetch: bool,
+    /// Missed experts: `off` copies them into the cache, `always` computes them on the CPU from
+    /// the host pack, `auto` chooses by a cost model (link bandwidth vs CPU time).
+    #[arg(long, default_value = "off", value_parser = parse_hybrid, requires = "resident")]
+    pub hybrid: HybridMode,
+}
+
+fn parse_synthetic(s: &str) -> Result<SyntheticKind, String> {
+    s.parse().map_err(|e: candle_qmoe::QmoeError| e.to_string())
+}
+
+fn parse_resident(s: &str) -> Result<Resident, String> {
+    s.parse().map_err(|e: candle_qmoe::QmoeError| e.to_string())
+}
+
+fn parse_policy(s: &str) -> Result<PolicyKind, String> {
+    s.parse().map_err(|e: candle_qmoe::QmoeError| e.to_string())
+}
+
+fn parse_hybrid(s: &str) -> Result<HybridMode, String> {
+    s.parse().map_err(|e: candle_qmoe::QmoeError| e.to_string())
+}
+
+impl ModelArgs {
+    /// The device: the first GPU unless `--cpu` (or no GPU).
+    pub fn device(&self) -> Result<Device> {
+        Ok(if self.cpu {
+            Device::Cpu
+        } else {
+            Device::cuda_if_available(0)?
+        })
+    }
+
+    /// The compute dtype of the non-expert weights on `device`.
+    pub fn compute_dtype(&self, device: &Device) -> DType {
+        self.dtype.map(Dtype::dtype).unwrap_or(if device.is_cuda() {
+            DType::BF16
+        } else {
+            DType::F32
+        })
+    }
+
+    /// The residency profile, when `--resident` is given.
+    fn residency_options(&self) -> Result<Option<ResidencyOptions>> {
+        let Some(resident) = self.resident.clone() else {
+            return Ok(None);
+        };
+        if self.experts != Experts::Int4 {
+            bail!("--resident applies to --experts int4 (dense experts are always all resident)");
+        }
+        Ok(Some(ResidencyOptions {
+            resident,
+            policy: self.policy,
+            prefetch: self.prefetch,
+            hybrid: self.hybrid,
+            ..Default::default()
+        }))
+    }
+
+    /// Builds the model (synthetic or from a checkpoint) on `device`.
+    pub fn load(&self, dtype: DType, device: &Device) -> Result<Loaded> {
+        let mut loaded = match self.synthetic {
+            Some(kind) => load_synthetic(self, kind, dtype, device)?,
+            None => load_checkpoint(self, dtype, device)?,
+        };
+        if self.prefetch {
+            loaded.model.enable_prefetch();
+        }
+        Ok(loaded)
+    }
+}
+
+/// Applies the residency profile of `args` (if any) to INT4 experts from a pack.
+fn with_residency(args: &ModelArgs, experts: PackedExperts) -> Result<PackedExperts> {
+    Ok(match args.residency_options()? {
+        Some(opts) => experts.with_residency(opts),
+        None => experts,
+    })
+}
+
+/// The residency figures of a run for a JSON evidence file (`null`s without a cache).
+pub fn residency_json(residency: Option<&Arc<Residency>>) -> serde_json::Value {
+    let Some(r) = residency else {
+        return json!({
+            "resident_per_layer": null, "hits": null, "misses": null, "hit_rate": null,
+            "h2d_bytes": null, "evictions": null, "prefetch_used": null, "prefetch_wasted": null,
+        });
+    };
+    let s = r.stats();
+    let mut v = serde_json::to_value(&s).unwrap_or_default();
+    v["hit_rate"] = json!(s.hit_rate());
+    v["resident_per_layer"] = json!(r.capacities());
+    v["policy"] = json!(format!("{:?}", r.options().policy).to_lowercase());
+    v["prefetch"] = json!(r.options().prefetch);
+    v["hybrid"] = json!(format!("{:?}", r.options().hybrid).to_lowercase());
+    v["peak_device_bytes"] = json!(r.peak_device_bytes());
+    v
+}
+
+/// One line of residency counters for a stats print-out.
+pub fn residency_line(s: &ResidencyStats, capacities: &[usize]) -> String {
+    let caps = match capacities.iter().min().zip(capacities.iter().max()) {
+        Some((lo, hi)) if lo == hi => format!("{lo}/layer"),
+        Some((lo, hi)) => format!("{lo}..{hi}/layer"),
+        None => "-".into(),
+    };
+    format!(
+        "resident {caps} | hits {} misses {} (hit rate {}) | evictions {} | h2d {:.1} MB | \
+         prefetch used {} wasted {} | cpu-computed misses {} | stall {:.3} s",
+        s.hits,
+        s.misses,
+        s.hit_rate()
+            .map_or("n/a".into(), |r| format!("{:.1}%", 100.0 * r)),
+        s.evictions,
+        s.h2d_bytes as f64 / 1e6,
+        s.prefetch_used,
+        s.prefetch_wasted,
+        s.hybrid_cpu_experts,
+        s.stall_s
+    )
+}
+
+/// The chat templates of the supported Instruct/Chat models.
+#[derive(Clone, Copy, Debug)]
+pub enum Template {
+    /// OLMoE-Instruct (tulu): `<|endoftext|><|user|>\n{prompt}\n<|assistant|>\n`.
+    Tulu,
+    /// Qwen1.5-Chat (ChatML with the default system prompt).
+    ChatMl,
+}
+
+impl Template {
+    /// The template of a model family (`model_type`).
+    pub fn for_family(model_type: &str) -> Option<Self> {
+        match model_type {
+            "olmoe" => Some(Self::Tulu),
+            "qwen2_moe" => Some(Self::ChatMl),
+            _ => None,
+        }
+    }
+
+    /// The prompt wrapped in the template.
+    pub fn apply(self, prompt: &str) -> String {
+        match self {
+            Self::Tulu => format!("<|endoftext|><|user|>\n{prompt}\n<|assistant|>\n"),
+            Self::ChatMl => format!(
+                "<|im_start|>system\nYou are a helpful assistant<|im_end|>\n\
+                 <|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+            ),
+        }
+    }
+
+    /// Tokens that end an answer, besides the config's `eos_token_id`.
+    pub fn stop_tokens(self) -> &'static [&'static str] {
+        match self {
+            Self::Tulu => &["<|endoftext|>"],
+            Self::ChatMl => &["<|im_end|>", "<|endoftext|>"],
+        }
+    }
+}
+
+/// Everything `main` needs once the model is built.
+pub struct Loaded {
+    /// The model.
+    pub model: MoeForCausalLm,
+    /// Its tokenizer.
+    pub tokenizer: Tokenizer,
+    /// Hub id, folder or `synthetic:<kind>`.
+    pub model_id: String,
+    /// Hub commit, `local` or the synthetic seed.
+    pub revision: String,
+    /// Instruct/Chat model (or synthetic): use the chat template unless `--no-chat`.
+    pub instruct: bool,
+    /// `eos_token_id`s from config.json and generation_config.json.
+    pub eos: Vec<u32>,
+    /// Group size of the INT4 experts.
+    pub group_size: Option<usize>,
+    /// The expert cache, when `--resident` is given.
+    pub residency: Option<Arc<Residency>>,
+}
+
+/// The `eos_token_id` (a number or a list) of a config JSON.
+fn eos_ids(config: &serde_json::Value) -> Vec<u32> {
+    match &config["eos_token_id"] {
+        serde_json::Value::Number(n) => n.as_u64().map(|v| v as u32).into_iter().collect(),
+        serde_json::Value::Array(a) => a
+            .iter()
+            .filter_map(|v| v.as_u64())
+            .map(|v| v as u32)
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+fn read_json(path: &std::path::Path) -> Option<serde_json::Value> {
+    serde_json::from_slice(&std::fs::read(path).ok()?).ok()
+}
+
+fn group_size(args: &ModelArgs) -> Result<GroupSize> {
+    Ok(GroupSize::new(args.group_size.unwrap_or(128))?)
+}
+
+fn load_synthetic(
+    args: &ModelArgs,
+    kind: SyntheticKind,
+    dtype: DType,
+    device: &Device,
+) -> Result<Loaded> {
+    println!(
+        "synthetic {kind} model: real shapes, deterministic RANDOM weights (seed {}) — the text \
+         it generates is nonsense; it shows that everything runs and what speed and memory to \
+         expect",
+        args.synthetic_seed
+    );
+    let group = group_size(args)?;
+    let synth = SyntheticModel::new(kind, args.synthetic_seed, group)?;
+    let experts = match args.experts {
+        Experts::Int4 => with_residency(args, synth.int4_experts())?,
+        Experts::Bf16 | Experts::F32 => {
+            let dt = if args.experts == Experts::Bf16 {
+                DType::BF16
+            } else {
+                DType::F32
+            };
+            let need = synth.dense_expert_bytes(dt) as u64;
+            if let Some(avail) = super::available_memory_bytes().filter(|&a| need > a) {
+                bail!(
+                    "dense {:?} experts of the synthetic {kind} model need {}, more than the {} \
+                     of memory available; use --experts int4 or --synthetic tiny",
+                    args.experts,
+                    super::human_bytes(need),
+                    super::human_bytes(avail)
+                );
+            }
+            if need > 4 << 30 {
+                eprintln!(
+                    "warning: dense experts take {} of memory",
+                    super::human_bytes(need)
+                );
+            }
+            synth.dense_experts(dt)
+        }
+    };
+    let model = synth.load(dtype, device, &experts)?;
+    let model_type = synth.config().model_type();
+    Ok(Loaded {
+        model,
+        tokenizer: super::bundled_tokenizer(model_type)?,
+        model_id: format!("synthetic:{kind}"),
+        revision: format!("seed {}", args.synthetic_seed),
+        instruct: true,
+        eos: eos_ids(&kind.config_json()),
+        group_size: (args.experts == Experts::Int4).then_some(group.get()),
+        residency: experts.residency().cloned(),
+    })
+}
+
+/// The expert pack for `--experts int4`: `--pack` loaded or created, or quantized in memory.
+fn int4_pack(args: &ModelArgs, ckpt: &super::Checkpoint) -> Result<PackFile> {
+    let opts = QuantizeOptions {
+        group_size: group_size(args)?,
+        source_model: ckpt.model_id.clone(),
+        source_revision: ckpt.revision.clone(),
+        ..Default::default()
+    };
+    let Some(path) = &args.pack else {
+        return super::quantize_with_progress(&ckpt.dir, &opts);
+    };
+    if !path.exists() {
+        println!("creating the expert pack `{}`", path.display());
+        super::quantize_with_progress(&ckpt.dir, &opts)?.save(path)?;
+    }
+    let pack = PackFile::open(path)?;
+    let m = pack.meta();
+    if let Some(g) = args.group_size.filter(|&g| g != m.layout.group_size.get()) {
+        bail!(
+            "`{}` has group size {}, not the requested {g}; drop --group-size or use another --pack",
+            path.display(),
+            m.layout.group_size.get()
+        );
+    }
+    println!(
+        "expert pack `{}`: group size {}, made from {} (revision {})",
+        path.display(),
+        m.layout.group_size.get(),
+        m.source_model,
+        m.source_revision
+    );
+    Ok(pack)
+}
+
+fn load_checkpoint(args: &ModelArgs, dtype: DType, device: &Device) -> Result<Loaded> {
+    let ckpt = super::resolve_checkpoint(
+        args.model_dir.as_deref(),
+        &args.model_id,
+        args.revision.as_deref(),
+    )?;
+    let config = AnyConfig::from_file(ckpt.dir.join("config.json"))?;
+    let mut residency = None;
+    let (experts, group): (Box<dyn ExpertsLoader>, _) = match args.experts {
+        Experts::Int4 => {
+            let pack = Arc::new(int4_pack(args, &ckpt)?);
+            let group = pack.meta().layout.group_size.get();
+            let experts = with_residency(args, PackedExperts::for_checkpoint(pack, &ckpt.dir)?)?;
+            residency = experts.residency().cloned();
+            (Box::new(experts), Some(group))
+        }
+        Experts::Bf16 | Experts::F32 if args.pack.is_some() => {
+            bail!("--pack holds INT4 experts; it only applies to --experts int4")
+        }
+        Experts::Bf16 => (Box::new(ExpertsBackend::DenseAs(DType::BF16)), None),
+        Experts::F32 => (Box::new(ExpertsBackend::DenseAs(DType::F32)), None),
+    };
+    // SAFETY: the checkpoint files are not modified while the model is alive.
+    let vb = unsafe { models::mmap_checkpoint(&ckpt.dir, dtype, device)? };
+    let model =
+        MoeForCausalLm::new(&config, vb, experts.as_ref()).with_context(|| match &args.pack {
+            Some(p) => format!(
+                "cannot build the model with the expert pack `{}` (delete it or pass another \
+                 --pack path to re-create it from this checkpoint)",
+                p.display()
+            ),
+            None => "cannot build the model".to_string(),
+        })?;
+    let mut eos = eos_ids(&read_json(&ckpt.dir.join("config.json")).unwrap_or_default());
+    eos.extend(eos_ids(
+        &read_json(&ckpt.dir.join("generation_config.json")).unwrap_or_default(),
+    ));
+    let name = ckpt.model_id.to_lowercase();
+    Ok(Loaded {
+        model,
+        tokenizer: super::load_tokenizer(&ckpt.dir, config.model_type())?,
+        instruct: name.contains("instruct") || name.contains("chat"),
+        model_id: ckpt.model_id,
+        revision: ckpt.revision,
+        eos,
+        group_size: group,
+        residency,
+    })
+}

@@ -1,0 +1,395 @@
+//! The residency protocol on the host-memory backend: hit/miss/eviction sequences against
+//! reference models of the policies, exact copy byte counts, admission errors, fault injection,
+//! and bit-identical model outputs whatever the residency.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle::{DType, Device, Tensor};
+use candle_qmoe::generation::{argmax, generate};
+use candle_qmoe::models::{MoeForCausalLm, PackedExperts};
+use candle_qmoe::pack::{ExpertLayout, GroupSize, LayerPack};
+use candle_qmoe::residency::{
+    HybridMode, PolicyKind, Residency, ResidencyOptions, Resident, ResidentExperts,
+};
+use candle_qmoe::synthetic::{random_layer_pack, random_routing, SyntheticKind, SyntheticModel};
+use candle_qmoe::{Int4Experts, RoutedExperts};
+use rand::{Rng, SeedableRng};
+
+const E: usize = 16;
+const K: usize = 4;
+
+fn layout() -> ExpertLayout {
+    ExpertLayout {
+        hidden: 64,
+        intermediate: 96,
+        group_size: GroupSize::new(32).unwrap(),
+    }
+}
+
+fn pack() -> LayerPack {
+    random_layer_pack(11, layout(), E).unwrap()
+}
+
+fn options(resident: Resident, policy: PolicyKind) -> ResidencyOptions {
+    ResidencyOptions {
+        resident,
+        policy,
+        ..Default::default()
+    }
+}
+
+fn layer(opts: ResidencyOptions) -> (Residency, Arc<ResidentExperts>) {
+    let res = Residency::host(opts);
+    let experts = res.layer(0, K, pack()).unwrap();
+    (res, experts)
+}
+
+/// Random (not zero) activations and a routing of `tokens` tokens.
+fn call(seed: u64, tokens: usize) -> (Tensor, Tensor, Tensor) {
+    let h = layout().hidden;
+    let xs = candle_qmoe::synthetic::gaussian(seed, tokens * h, 1.0);
+    let (ids, w) = random_routing(seed + 1, tokens, K, E);
+    (
+        Tensor::from_vec(xs, (tokens, h), &Device::Cpu).unwrap(),
+        Tensor::from_vec(ids, (tokens, K), &Device::Cpu).unwrap(),
+        Tensor::from_vec(w, (tokens, K), &Device::Cpu).unwrap(),
+    )
+}
+
+/// An independent model of the cache: which experts are resident, with LRU or LFU order.
+struct Reference {
+    capacity: usize,
+    lfu: bool,
+    resident: Vec<usize>,
+    last: HashMap<usize, u64>,
+    count: HashMap<usize, u64>,
+    tick: u64,
+    hits: u64,
+    misses: u64,
+    evictions: u64,
+}
+
+impl Reference {
+    fn new(capacity: usize, lfu: bool) -> Self {
+        let mut r = Self {
+            capacity,
+            lfu,
+            resident: Vec::new(),
+            last: HashMap::new(),
+            count: HashMap::new(),
+            tick: 0,
+            hits: 0,
+            misses: 0,
+            evictions: 0,
+        };
+        // The cache starts filled with experts 0..capacity, used in that order.
+        for e in 0..capacity {
+            r.tick += 1;
+            r.resident.push(e);
+            r.last.insert(e, r.tick);
+            r.count.insert(e, 1);
+        }
+        r
+    }
+
+    fn step(&mut self, experts: &[usize]) {
+        for &e in experts {
+            self.tick += 1;
+            if self.resident.contains(&e) {
+                self.hits += 1;
+            } else {
+                self.misses += 1;
+                if self.resident.len() == self.capacity {
+                    let key = |c: &usize| {
+                        let lfu = if self.lfu { self.count[c] } else { 0 };
+                        (lfu, self.last[c])
+                    };
+                    let victim = *self
+                        .resident
+                        .iter()
+                        .filter(|c| !experts.contains(c))
+                        .min_by_key(|c| key(c))
+                        .unwrap();
+                    self.resident.retain(|&c| c != victim);
+                    self.count.insert(victim, 0);
+                    self.evictions += 1;
+                }
+                self.resident.push(e);
+            }
+            *self.count.entry(e).or_default() += 1;
+            self.last.insert(e, self.tick);
+        }
+    }
+}
+
+#[test]
+fn hits_misses_and_evictions_follow_the_reference_policies() {
+    for (policy, lfu) in [(PolicyKind::Lru, false), (PolicyKind::Lfu, true)] {
+        for capacity in [K, 6, 11, E] {
+            let (res, experts) = layer(options(Resident::Uniform(capacity), policy));
+            let mut reference = Reference::new(capacity, lfu);
+            // Skewed routing: low expert ids are popular, so the policies differ.
+            let mut rng = rand::rngs::StdRng::seed_from_u64(capacity as u64);
+            for step in 0..60 {
+                let mut ids: Vec<u32> = Vec::new();
+                while ids.len() < K {
+                    let e = (rng.random::<f64>().powi(2) * E as f64) as u32;
+                    if !ids.contains(&e) {
+                        ids.push(e);
+                    }
+                }
+                let (xs, _, w) = call(step, 1);
+                let ids_t = Tensor::from_vec(ids.clone(), (1, K), &Device::Cpu).unwrap();
+                experts.forward(&xs, &ids_t, &w).unwrap();
+                let mut sorted: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
+                sorted.sort();
+                reference.step(&sorted);
+                let s = experts.stats();
+                assert_eq!(
+                    (s.hits, s.misses, s.evictions),
+                    (reference.hits, reference.misses, reference.evictions),
+                    "{policy:?}, capacity {capacity}, step {step}"
+                );
+                let mut resident: Vec<usize> =
+                    (0..E).filter(|&e| experts.store().is_resident(e)).collect();
+                resident.sort();
+                let mut want = reference.resident.clone();
+                want.sort();
+                assert_eq!(
+                    resident, want,
+                    "{policy:?}, capacity {capacity}, step {step}"
+                );
+            }
+            let s = res.stats();
+            assert_eq!(s.h2d_bytes, s.misses * layout().slab_bytes() as u64);
+            assert_eq!(s.preload_bytes, (capacity * layout().slab_bytes()) as u64);
+            if capacity == E {
+                assert_eq!((s.misses, s.evictions, s.h2d_bytes), (0, 0, 0));
+            }
+        }
+    }
+}
+
+#[test]
+fn lfru_keeps_a_steady_expert_through_a_burst() {
+    let (_, lfru) = layer(options(Resident::Uniform(K + 1), PolicyKind::Lfru));
+    let (_, lru) = layer(options(Resident::Uniform(K + 1), PolicyKind::Lru));
+    // Expert 0 is used every step next to three of experts 1..=9 in turn, then a burst of
+    // eight fresh experts arrives.
+    let mut steps: Vec<[u32; K]> = (0..20)
+        .map(|i| [0, 1 + (3 * i) % 9, 2 + (3 * i) % 9, 3 + (3 * i) % 9])
+        .collect();
+    steps.extend([[10, 11, 12, 13], [12, 13, 14, 15]]);
+    for (i, ids) in steps.iter().enumerate() {
+        let (xs, _, w) = call(i as u64, 1);
+        let ids = Tensor::new(&[*ids], &Device::Cpu).unwrap();
+        lfru.forward(&xs, &ids, &w).unwrap();
+        lru.forward(&xs, &ids, &w).unwrap();
+    }
+    assert!(
+        lfru.store().is_resident(0),
+        "LFRU keeps the frequent expert"
+    );
+    assert!(!lru.store().is_resident(0), "LRU evicts it");
+}
+
+#[test]
+fn outputs_are_bit_identical_for_any_capacity_policy_and_hybrid_mode() {
+    let reference = Int4Experts::new(pack());
+    for tokens in [1, 3, 40] {
+        let (xs, ids, w) = call(100 + tokens as u64, tokens);
+        let want = reference.forward(&xs, &ids, &w).unwrap();
+        let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for capacity in [K, 5, 9, E] {
+            for policy in [PolicyKind::Lru, PolicyKind::Lfu, PolicyKind::Lfru] {
+                for hybrid in [HybridMode::Off, HybridMode::Auto, HybridMode::Always] {
+                    let opts = ResidencyOptions {
+                        hybrid,
+                        ..options(Resident::Uniform(capacity), policy)
+                    };
+                    let (_, experts) = layer(opts);
+                    // Twice: the second call runs on the cache the first one left.
+                    for _ in 0..2 {
+                        let got = experts.forward(&xs, &ids, &w).unwrap();
+                        let got = got.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                        assert!(
+                            got.iter()
+                                .zip(&want)
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "T={tokens} C={capacity} {policy:?} {hybrid:?}"
+                        );
+                    }
+                    let s = experts.stats();
+                    if hybrid == HybridMode::Off {
+                        assert_eq!(s.hybrid_cpu_experts, 0);
+                    } else {
+                        // The host backend computes misses on the CPU rather than copying.
+                        assert_eq!((s.h2d_bytes, s.hybrid_cpu_experts), (0, s.misses));
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_failed_copy_keeps_the_published_generation_valid() {
+    let reference = Int4Experts::new(pack());
+    let (res, experts) = layer(options(Resident::Uniform(K), PolicyKind::Lru));
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let mut failures = 0;
+    for step in 0..40u64 {
+        let (xs, ids, w) = call(step, 1 + (step % 3) as usize);
+        if step % 4 == 1 {
+            res.backend().fail_copy_after(rng.random_range(0..3));
+        }
+        let before: Vec<u32> = experts.store().table().to_vec();
+        match experts.forward(&xs, &ids, &w) {
+            Err(e) => {
+                failures += 1;
+                assert!(e.to_string().contains("expert copy failed"), "{e}");
+                // No expert moved to another slot; some may have left the table.
+                let after = experts.store().table().to_vec();
+                for (b, a) in before.iter().zip(&after) {
+                    assert!(a == b || *a == u32::MAX, "{before:?} -> {after:?}");
+                }
+            }
+            Ok(got) => {
+                let want = reference.forward(&xs, &ids, &w).unwrap();
+                let (got, want) = (
+                    got.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                );
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "step {step}: output differs after a failed copy"
+                );
+            }
+        }
+    }
+    assert!(failures >= 5, "only {failures} injected failures fired");
+}
+
+#[test]
+fn admission_refuses_profiles_that_cannot_work() {
+    let err = |opts: ResidencyOptions| {
+        Residency::host(opts)
+            .layer(3, K, pack())
+            .unwrap_err()
+            .to_string()
+    };
+    let slab = layout().slab_bytes();
+    let e = err(options(Resident::Uniform(K - 1), PolicyKind::Lru));
+    assert!(
+        e.contains("layer 3") && e.contains("top-k = 4") && e.contains("3 experts"),
+        "{e}"
+    );
+    let e = err(ResidencyOptions {
+        staging_bytes: Some(slab - 16),
+        ..Default::default()
+    });
+    assert!(
+        e.contains("cannot hold one expert") && e.contains(&slab.to_string()),
+        "{e}"
+    );
+    let e = err(ResidencyOptions {
+        staging_buffers: 0,
+        ..Default::default()
+    });
+    assert!(e.contains("at least one buffer"), "{e}");
+    let e = err(ResidencyOptions {
+        resident: Resident::Uniform(8),
+        device_memory_limit: Some(6 * slab),
+        ..Default::default()
+    });
+    assert!(
+        e.contains("out of device memory") && e.contains("8 slots"),
+        "{e}"
+    );
+    let e = err(options(Resident::PerLayer(vec![4, 4]), PolicyKind::Lru));
+    assert!(e.contains("lists 2 layers") && e.contains("layer 3"), "{e}");
+    for bad in ["", "lots", "-1", "4,x"] {
+        assert!(bad.parse::<Resident>().is_err(), "{bad}");
+    }
+    assert_eq!("all".parse::<Resident>().unwrap(), Resident::All);
+    assert_eq!("12".parse::<Resident>().unwrap(), Resident::Uniform(12));
+    assert_eq!(
+        "4,8".parse::<Resident>().unwrap(),
+        Resident::PerLayer(vec![4, 8])
+    );
+}
+
+fn tiny() -> SyntheticModel {
+    SyntheticModel::new(SyntheticKind::Tiny, 3, GroupSize::default()).unwrap()
+}
+
+fn load(s: &SyntheticModel, experts: &PackedExperts) -> MoeForCausalLm {
+    s.load(DType::F32, &Device::Cpu, experts).unwrap()
+}
+
+const PROMPT: [u32; 9] = [50279, 510, 3158, 8516, 30013, 27287, 689, 253, 22658];
+
+#[test]
+fn model_tokens_and_logits_are_identical_at_every_residency() {
+    let synth = tiny();
+    let mut plain = load(&synth, &synth.int4_experts());
+    let want = generate(&mut plain, &PROMPT, 10, &[], argmax, |_| Ok(())).unwrap();
+    let input = Tensor::new(&[PROMPT], &Device::Cpu).unwrap();
+    plain.clear_kv_cache();
+    let want_logits = plain.forward_all(&input, 0).unwrap();
+    let e = synth.spec().uniform_moe().unwrap().num_experts;
+    let k = synth.spec().uniform_moe().unwrap().top_k;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    let random: Vec<usize> = (0..synth.spec().num_layers())
+        .map(|_| rng.random_range(k..=e))
+        .collect();
+    for (resident, prefetch) in [
+        (Resident::All, false),
+        (Resident::Uniform(k), false),
+        (Resident::Uniform(k), true),
+        (Resident::PerLayer(random), true),
+    ] {
+        let experts = synth.int4_experts().with_residency(ResidencyOptions {
+            resident: resident.clone(),
+            prefetch,
+            ..Default::default()
+        });
+        let mut model = load(&synth, &experts);
+        if prefetch {
+            assert_eq!(model.enable_prefetch(), synth.spec().num_layers() - 1);
+        }
+        let got = generate(&mut model, &PROMPT, 10, &[], argmax, |_| Ok(())).unwrap();
+        assert_eq!(got.tokens, want.tokens, "{resident:?}");
+        model.clear_kv_cache();
+        let logits = model.forward_all(&input, 0).unwrap();
+        let diff = (logits - &want_logits)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert_eq!(diff, 0.0, "{resident:?}");
+        let res = experts.residency().unwrap();
+        let s = res.stats();
+        if resident == Resident::All {
+            assert_eq!((s.misses, s.h2d_bytes), (0, 0));
+        } else {
+            assert!(s.misses > 0 && s.h2d_bytes > 0, "{s:?}");
+        }
+        if prefetch {
+            assert!(s.prefetch_issued > 0, "{s:?}");
+            assert!(
+                s.prefetch_used + s.prefetch_wasted <= s.prefetch_issued,
+                "{s:?}"
+            );
+        } else {
+            assert_eq!(s.prefetch_issued, 0);
+        }
+        assert_eq!(res.capacities().len(), synth.spec().num_layers());
+    }
+}
