@@ -13,10 +13,13 @@
 #
 #   run(command="bash scripts/gpu-check.sh run", carry=["target/gpu-carry"], timeout_s=590)
 #
-# The tests get at most 150 s, the check at most 400 s (QMOE_TEST_TIMEOUT, QMOE_CHECK_TIMEOUT).
-# Extra arguments after `run` go to gpu_check (e.g. `--quick`). The JSON goes to $OUT/gpu_check.json
-# and to bench/results/gpu-check-<yyyy-mm-dd>-<commit12>.json in the tree it runs in; through the
-# device tool only $OUT comes back: copy files_at/gpu_check.json to that name and commit it.
+# The tests get at most 120 s, the kernel check at most 300 s, the residency sweep (bounded
+# expert caches on the synthetic OLMoE/Qwen shapes, layer traces and model decoding) at most
+# 150 s (QMOE_TEST_TIMEOUT, QMOE_CHECK_TIMEOUT, QMOE_SWEEP_TIMEOUT). Extra arguments after `run`
+# go to gpu_check (e.g. `--quick`). The JSON goes to $OUT/gpu_check.json and
+# $OUT/residency_sweep.json (and to bench/results/ in the tree it runs in); through the device
+# tool only $OUT comes back: copy them to bench/results/gpu-check-<date>-<commit12>.json and
+# bench/results/residency-sweep-h200.json and commit them.
 #
 # The libcuda stub of scripts/cuda-env.sh is never carried: the GPU machine's driver provides
 # libcuda.so.1. libcudart/libcublas/libcublasLt/libcurand/libnvrtc (CUDA 13) are searched in the
@@ -27,15 +30,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CARRY=target/gpu-carry
 LIMIT=$((64 * 1024 * 1024))
-BINS=(gpu_check cuda_kernels)
+BINS=(gpu_check cuda_kernels residency_sweep)
 LIBS=(libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13)
 
 build() {
     # shellcheck source=scripts/cuda-env.sh
     source scripts/cuda-env.sh
     local msg
-    msg=$(cargo build --release --features cuda --example gpu_check --test cuda_kernels \
-        --message-format=json-render-diagnostics)
+    msg=$(cargo build --release --features cuda --example gpu_check --example residency_sweep \
+        --test cuda_kernels --message-format=json-render-diagnostics)
     rm -rf "$CARRY"
     mkdir -p "$CARRY"
     local exe
@@ -43,6 +46,8 @@ build() {
     gzip -9 -c "$exe" >"$CARRY/gpu_check.gz"
     exe=$(jq -r 'select(.reason == "compiler-artifact" and .target.name == "cuda_kernels" and .executable != null) | .executable' <<<"$msg" | tail -1)
     gzip -9 -c "$exe" >"$CARRY/cuda_kernels.gz"
+    exe=$(jq -r 'select(.reason == "compiler-artifact" and .target.name == "residency_sweep" and .executable != null) | .executable' <<<"$msg" | tail -1)
+    gzip -9 -c "$exe" >"$CARRY/residency_sweep.gz"
     {
         git rev-parse HEAD 2>/dev/null || echo unknown
     } | tr -d '\n' >"$CARRY/COMMIT"
@@ -123,21 +128,26 @@ run() {
         ldd "$work/gpu_check" | grep "not found" >&2
         echo "gpu-check: missing libraries (see $OUT/env.txt)" >&2
     fi
-    local rc_tests=0 rc_check=0
+    local rc_tests=0 rc_check=0 rc_sweep=0
     set +e
     echo "gpu-check: tests (cuda_kernels)"
-    timeout "${QMOE_TEST_TIMEOUT:-150}" "$work/cuda_kernels" --test-threads 1 >"$OUT/tests.log" 2>&1
+    timeout "${QMOE_TEST_TIMEOUT:-120}" "$work/cuda_kernels" --test-threads 1 >"$OUT/tests.log" 2>&1
     rc_tests=$?
     grep -E "^test result|FAILED|failed|panicked|SKIPPED" "$OUT/tests.log" | tail -20
     echo "gpu-check: check (gpu_check)"
-    timeout "${QMOE_CHECK_TIMEOUT:-400}" "$work/gpu_check" --json "$OUT/gpu_check.json" \
+    timeout "${QMOE_CHECK_TIMEOUT:-300}" "$work/gpu_check" --json "$OUT/gpu_check.json" \
         --json "bench/results/gpu-check-$(date -u +%F)-${QMOE_COMMIT:0:12}.json" \
         --commit "$QMOE_COMMIT" "$@" \
         2>"$OUT/gpu_check.log"
     rc_check=$?
+    echo "gpu-check: residency sweep (residency_sweep)"
+    timeout "${QMOE_SWEEP_TIMEOUT:-150}" "$work/residency_sweep" --json "$OUT/residency_sweep.json" \
+        --trace-tokens 128 --models olmoe,qwen2moe --quick -n 16 2>"$OUT/residency_sweep.log"
+    rc_sweep=$?
+    tail -n 25 "$OUT/residency_sweep.log"
     set -e
-    echo "gpu-check: tests rc=$rc_tests, check rc=$rc_check (124 = timed out); logs in $OUT"
-    [ "$rc_tests" -eq 0 ] && [ "$rc_check" -eq 0 ]
+    echo "gpu-check: tests rc=$rc_tests, check rc=$rc_check, sweep rc=$rc_sweep (124 = timed out); logs in $OUT"
+    [ "$rc_tests" -eq 0 ] && [ "$rc_check" -eq 0 ] && [ "$rc_sweep" -eq 0 ]
 }
 
 case "${1:-}" in

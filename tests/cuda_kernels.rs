@@ -9,12 +9,17 @@
 //! every output and scratch buffer NaN-poisoned, and compares with the CPU kernel on the same
 //! (dtype-rounded) activations by relative L2 error; it also checks that a second run is
 //! bit-identical and, for some cases, that a permuted expert → slot table gives the same result.
+//!
+//! The `resident::` cases run the CUDA residency backend (a bounded slot arena filled through
+//! pinned staging and a copy stream) over a sequence of routings and require the bits of full
+//! residency at every capacity, and the CPU-hybrid result within the dtype's tolerance.
 
 use std::sync::Arc;
 
 use candle::{DType, Device, Tensor};
 use candle_qmoe::kernels::cuda::{CudaPath, DeviceExperts};
 use candle_qmoe::pack::{ExpertLayout, GroupSize};
+use candle_qmoe::residency::{HybridMode, Residency, ResidencyOptions, Resident};
 use candle_qmoe::synthetic::{gaussian, random_layer_pack, random_routing};
 use candle_qmoe::{Int4Experts, RoutedExperts};
 use libtest_mimic::{Arguments, Failed, Trial};
@@ -221,6 +226,69 @@ fn cases() -> Vec<Case> {
 }
 
 /// The embedded PTX: both targets, an ISA a CUDA 13.0 driver can JIT, every kernel present.
+/// A bounded CUDA expert cache against full residency over several routings.
+fn run_resident(
+    dev: &Device,
+    tokens: usize,
+    capacity: usize,
+    hybrid: HybridMode,
+    seed: u64,
+) -> Result<(), Failed> {
+    let (experts, k) = (16, 4);
+    let layout = ExpertLayout {
+        hidden: 264,
+        intermediate: 200,
+        group_size: GroupSize::new(64)?,
+    };
+    let pack = random_layer_pack(seed, layout, experts)?;
+    let full = Int4Experts::new(pack.clone());
+    let res = Residency::new(ResidencyOptions {
+        resident: Resident::Uniform(capacity),
+        hybrid,
+        ..Default::default()
+    });
+    let cached = res.cuda_layer(0, k, pack, dev.as_cuda_device()?)?;
+    for step in 0..6u64 {
+        let xs = gaussian(seed + step, tokens * layout.hidden, 1.0);
+        let (ids, w) = random_routing(seed ^ (step << 8), tokens, k, experts);
+        let x = Tensor::from_vec(xs, (tokens, layout.hidden), dev)?.to_dtype(DType::BF16)?;
+        let ids = Tensor::from_vec(ids, (tokens, k), dev)?;
+        let w = Tensor::from_vec(w, (tokens, k), dev)?;
+        let as_f32 = |t: Tensor| -> candle::Result<Vec<f32>> {
+            t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+        };
+        let want = as_f32(full.forward(&x, &ids, &w)?)?;
+        let got = as_f32(cached.forward(&x, &ids, &w)?)?;
+        match hybrid {
+            HybridMode::Off => {
+                if got.iter().zip(&want).any(|(a, b)| a.to_bits() != b.to_bits()) {
+                    return Err(format!(
+                        "step {step}: output differs from full residency (rel err {:.2e})",
+                        rel_err(&got, &want)
+                    )
+                    .into());
+                }
+            }
+            _ => {
+                let err = rel_err(&got, &want);
+                if err > 1e-2 {
+                    return Err(format!("step {step}: hybrid rel err {err:.2e}").into());
+                }
+            }
+        }
+    }
+    let s = res.stats();
+    let slab = layout.slab_bytes() as u64;
+    if hybrid == HybridMode::Off && s.h2d_bytes != (s.misses) * slab {
+        return Err(format!("h2d {} bytes for {} misses of {slab}", s.h2d_bytes, s.misses).into());
+    }
+    if capacity < experts && s.misses == 0 {
+        return Err("no misses at a capacity below the expert count".into());
+    }
+    eprintln!("resident T={tokens} C={capacity} {hybrid:?}: {s:?}");
+    Ok(())
+}
+
 fn ptx_checks() -> Result<(), Failed> {
     use candle_qmoe::kernels::cuda::{W4A16_MOE_SM80, W4A16_MOE_SM90};
     for (ptx, target) in [(W4A16_MOE_SM80, "sm_80"), (W4A16_MOE_SM90, "sm_90")] {
@@ -276,6 +344,22 @@ fn main() {
         trials.push(
             Trial::test(c.name(), move || match dev {
                 Some(dev) => run_case(&dev, c, 1000 + i as u64),
+                None => Err("no CUDA device".into()),
+            })
+            .with_ignored_flag(ignored),
+        );
+    }
+    let resident = [1usize, 4, 40]
+        .into_iter()
+        .flat_map(|t| [4usize, 9, 16].map(move |c| (t, c, HybridMode::Off)))
+        .chain([(4, 4, HybridMode::Always), (1, 9, HybridMode::Auto)]);
+    for (i, (tokens, capacity, hybrid)) in resident.enumerate() {
+        let dev = device.as_ref().ok().cloned();
+        let ignored = dev.is_none();
+        let name = format!("resident::t{tokens}_c{capacity}_{hybrid:?}").to_lowercase();
+        trials.push(
+            Trial::test(name, move || match dev {
+                Some(dev) => run_resident(&dev, tokens, capacity, hybrid, 5000 + i as u64),
                 None => Err("no CUDA device".into()),
             })
             .with_ignored_flag(ignored),

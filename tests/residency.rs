@@ -40,8 +40,8 @@ fn options(resident: Resident, policy: PolicyKind) -> ResidencyOptions {
 }
 
 fn layer(opts: ResidencyOptions) -> (Residency, Arc<ResidentExperts>) {
-    let res = Residency::host(opts);
-    let experts = res.layer(0, K, pack()).unwrap();
+    let res = Residency::new(opts);
+    let experts = res.host_layer(0, K, pack()).unwrap();
     (res, experts)
 }
 
@@ -242,7 +242,7 @@ fn a_failed_copy_keeps_the_published_generation_valid() {
     for step in 0..40u64 {
         let (xs, ids, w) = call(step, 1 + (step % 3) as usize);
         if step % 4 == 1 {
-            res.backend().fail_copy_after(rng.random_range(0..3));
+            res.host_memory().fail_copy_after(rng.random_range(0..3));
         }
         let before: Vec<u32> = experts.store().table().to_vec();
         match experts.forward(&xs, &ids, &w) {
@@ -276,8 +276,8 @@ fn a_failed_copy_keeps_the_published_generation_valid() {
 #[test]
 fn admission_refuses_profiles_that_cannot_work() {
     let err = |opts: ResidencyOptions| {
-        Residency::host(opts)
-            .layer(3, K, pack())
+        Residency::new(opts)
+            .host_layer(3, K, pack())
             .unwrap_err()
             .to_string()
     };

@@ -11,6 +11,7 @@
 //!   fingerprints and `.qmoe` packs of a checkpoint's experts.
 //! * [`generation`] — the generation loop with prefill/decode timings.
 //! * [`parity`] — fidelity metrics against a transformers golden file.
+//! * [`plan`] — memory prediction per component and the fit of the expert cache to a budget.
 //! * [`synthetic`] — deterministic random weights and routings with realistic scales, and whole
 //!   synthetic models with the real shapes.
 //!
@@ -69,6 +70,7 @@ pub mod models;
 pub mod moe;
 pub mod pack;
 pub mod parity;
+pub mod plan;
 pub mod residency;
 pub mod synthetic;
 

@@ -155,8 +155,7 @@ impl DeviceExperts {
         device: &CudaDevice,
         slots: &[u32],
     ) -> candle::Result<Self> {
-        let layout = pack.layout();
-        let num_experts = pack.num_experts();
+        let (layout, num_experts) = (pack.layout(), pack.num_experts());
         let mut seen = vec![false; num_experts];
         for &s in slots {
             match seen.get_mut(s as usize) {
@@ -170,6 +169,35 @@ impl DeviceExperts {
                 slots.len()
             );
         }
+        let mut d = Self::with_capacity(layout, num_experts, num_experts, device)?;
+        let identity = slots.iter().enumerate().all(|(e, &s)| s as usize == e);
+        let stream = device.cuda_stream();
+        if identity {
+            stream.memcpy_htod(pack.bytes(), &mut d.slabs).w()?;
+        } else {
+            let n = layout.slab_bytes();
+            let mut placed = vec![0u8; pack.bytes().len()];
+            for (e, &s) in slots.iter().enumerate() {
+                placed[s as usize * n..(s as usize + 1) * n].copy_from_slice(pack.slab(e).bytes);
+            }
+            stream.memcpy_htod(placed.as_slice(), &mut d.slabs).w()?;
+        }
+        stream.memcpy_htod(slots, &mut d.slot_of).w()?;
+        // Candle's stream is per host thread: finish the copies here so that a call from any
+        // thread sees complete slabs.
+        stream.synchronize().w()?;
+        Ok(d)
+    }
+
+    /// An arena of `slots` zeroed slabs for a layer of `num_experts` experts with every slot
+    /// table entry `u32::MAX` (not resident): a residency manager fills slots and publishes the
+    /// table. Checks that the kernels support the shapes and the GPU.
+    pub fn with_capacity(
+        layout: ExpertLayout,
+        num_experts: usize,
+        slots: usize,
+        device: &CudaDevice,
+    ) -> candle::Result<Self> {
         if num_experts > MAX_EXPERTS {
             candle::bail!("CUDA routed experts: {num_experts} experts exceed {MAX_EXPERTS}");
         }
@@ -191,21 +219,9 @@ impl DeviceExperts {
         let smem_optin = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .w()? as usize;
-        let identity = slots.iter().enumerate().all(|(e, &s)| s as usize == e);
-        let slabs = if identity {
-            device.clone_htod(pack.bytes())?
-        } else {
-            let n = layout.slab_bytes();
-            let mut placed = vec![0u8; pack.bytes().len()];
-            for (e, &s) in slots.iter().enumerate() {
-                placed[s as usize * n..(s as usize + 1) * n].copy_from_slice(pack.slab(e).bytes);
-            }
-            device.clone_htod(placed.as_slice())?
-        };
-        let slot_of = device.clone_htod(slots)?;
+        let slabs = device.alloc_zeros::<u8>((slots * layout.slab_bytes()).max(1))?;
+        let slot_of = device.clone_htod(vec![u32::MAX; num_experts].as_slice())?;
         let counters = device.alloc_zeros::<u32>(layout.hidden.div_ceil(DEC_ROWS))?;
-        // Candle's stream is per host thread: finish the copies here so that a call from any
-        // thread sees complete slabs and zeroed counters.
         stream.synchronize().w()?;
         Ok(Self {
             device: device.clone(),
@@ -217,6 +233,16 @@ impl DeviceExperts {
             ptx,
             smem_optin,
         })
+    }
+
+    /// The slab arena (slot `s` at byte `s × slab_bytes`), for a residency manager's copies.
+    pub fn slabs_mut(&mut self) -> &mut CudaSlice<u8> {
+        &mut self.slabs
+    }
+
+    /// The expert → slot table, for a residency manager's publication.
+    pub fn slot_table_mut(&mut self) -> &mut CudaSlice<u32> {
+        &mut self.slot_of
     }
 
     /// The device the slabs live on.
@@ -266,7 +292,7 @@ impl DeviceExperts {
     /// [`DeviceExperts::forward`] on tensors: `xs [T, H]` on this device (BF16/F16/F32, other
     /// float types run as F32), `expert_ids [T, k]` and `weights [T, k]` (converted to U32/F32).
     pub fn forward_tensors(
-        self: &Arc<Self>,
+        &self,
         xs: &Tensor,
         expert_ids: &Tensor,
         weights: &Tensor,
@@ -275,7 +301,7 @@ impl DeviceExperts {
     ) -> candle::Result<Tensor> {
         let (x, ids, w) = kernel_inputs(xs, expert_ids, weights)?;
         let op = RoutedOp {
-            experts: self.clone(),
+            experts: self,
             path,
             poison,
         };
@@ -333,49 +359,17 @@ impl DeviceExperts {
         let w_p = dptr(w_s, &stream);
         let ids_p = ids_p + 4 * ids_off as u64;
         let w_p = w_p + 4 * w_off as u64;
+        macro_rules! run_as {
+            ($s:expr, $t:ty) => {{
+                let p = dptr($s, &stream) + (std::mem::size_of::<$t>() * x_off) as u64;
+                let out = self.run::<$t>(&stream, p, ids_p, w_p, t, k, path, poison)?;
+                Ok(CudaStorage::wrap_cuda_slice(out, self.device.clone()))
+            }};
+        }
         match &x.slice {
-            CudaStorageSlice::BF16(s) => {
-                let p = dptr(s, &stream);
-                let out = self.run::<bf16>(
-                    &stream,
-                    p + 2 * x_off as u64,
-                    ids_p,
-                    w_p,
-                    t,
-                    k,
-                    path,
-                    poison,
-                )?;
-                Ok(CudaStorage::wrap_cuda_slice(out, self.device.clone()))
-            }
-            CudaStorageSlice::F16(s) => {
-                let p = dptr(s, &stream);
-                let out = self.run::<f16>(
-                    &stream,
-                    p + 2 * x_off as u64,
-                    ids_p,
-                    w_p,
-                    t,
-                    k,
-                    path,
-                    poison,
-                )?;
-                Ok(CudaStorage::wrap_cuda_slice(out, self.device.clone()))
-            }
-            CudaStorageSlice::F32(s) => {
-                let p = dptr(s, &stream);
-                let out = self.run::<f32>(
-                    &stream,
-                    p + 4 * x_off as u64,
-                    ids_p,
-                    w_p,
-                    t,
-                    k,
-                    path,
-                    poison,
-                )?;
-                Ok(CudaStorage::wrap_cuda_slice(out, self.device.clone()))
-            }
+            CudaStorageSlice::BF16(s) => run_as!(s, bf16),
+            CudaStorageSlice::F16(s) => run_as!(s, f16),
+            CudaStorageSlice::F32(s) => run_as!(s, f32),
             _ => candle::bail!("CUDA routed experts: xs must be bf16, f16 or f32"),
         }
     }
@@ -611,13 +605,13 @@ pub(crate) fn kernel_inputs(
 }
 
 /// The CUDA kernels as a Candle op with an explicit path.
-struct RoutedOp {
-    experts: Arc<DeviceExperts>,
+struct RoutedOp<'a> {
+    experts: &'a DeviceExperts,
     path: CudaPath,
     poison: bool,
 }
 
-impl CustomOp3 for RoutedOp {
+impl CustomOp3 for RoutedOp<'_> {
     fn name(&self) -> &'static str {
         "qmoe-int4-routed-experts-cuda"
     }

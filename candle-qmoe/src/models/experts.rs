@@ -134,10 +134,11 @@ impl PackedExperts {
     }
 
     /// Serves the INT4 experts through a bounded expert cache per layer with this profile
-    /// ([`crate::residency`]; on the CPU the cache lives in host memory). The counters of the
+    /// ([`crate::residency`]; on the CPU the cache lives in host memory, on a GPU in device
+    /// memory). The counters of the
     /// layers built are read from [`PackedExperts::residency`].
     pub fn with_residency(mut self, options: ResidencyOptions) -> Self {
-        self.residency = Some(Arc::new(Residency::host(options)));
+        self.residency = Some(Arc::new(Residency::new(options)));
         self
     }
 
@@ -168,14 +169,7 @@ impl ExpertsLoader for PackedExperts {
         let layer = self.pack.layer(dims.layer)?;
         Ok(match (self.dense, &self.residency) {
             (None, Some(residency)) => {
-                if !vb.device().is_cpu() {
-                    candle::bail!(
-                        "a bounded expert cache is only implemented in host memory (CPU) so far; \
-                         on {:?} use full residency",
-                        vb.device()
-                    );
-                }
-                residency.layer(dims.layer, dims.top_k, layer)?
+                residency.layer(dims.layer, dims.top_k, layer, vb.device())?
             }
             (None, None) => Arc::new(Int4Experts::new(layer)),
             (Some(dtype), _) => Arc::new(DenseExperts::new(

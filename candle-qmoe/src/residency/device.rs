@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::pack::ExpertLayout;
 use crate::QmoeError;
 
 /// Device memory for the expert cache (see the module docs).
@@ -24,18 +25,19 @@ pub trait MemoryBackend: Send + Sync + 'static {
     /// One pinned host staging buffer.
     type Staging: Send;
 
-    /// Allocates `slots` slots of `slab_bytes` and a table of `num_experts` entries, all marked
-    /// not resident. Fails with [`QmoeError::OutOfMemory`] when the device cannot hold them.
+    /// Allocates `slots` slots of `layout`'s slab size and a table of `num_experts` entries, all
+    /// marked not resident. Fails with [`QmoeError::OutOfMemory`] when the device cannot hold
+    /// them.
     fn alloc_arena(
         &self,
+        layout: ExpertLayout,
         slots: usize,
-        slab_bytes: usize,
         num_experts: usize,
     ) -> candle::Result<Self::Arena>;
     /// Allocates a pinned staging buffer of `bytes`.
     fn alloc_staging(&self, bytes: usize) -> candle::Result<Self::Staging>;
     /// The host-writable bytes of a staging buffer whose last copy has completed.
-    fn staging_mut<'a>(&self, staging: &'a mut Self::Staging) -> &'a mut [u8];
+    fn staging_mut<'a>(&self, staging: &'a mut Self::Staging) -> candle::Result<&'a mut [u8]>;
     /// Enqueues a copy of the first `len` bytes of `src` into `slot`, ordered after `after` (the
     /// kernels that last read the slot), and returns the copy's completion event.
     fn copy_to_slot(
@@ -66,16 +68,22 @@ pub trait MemoryBackend: Send + Sync + 'static {
     fn link_bytes_per_s(&self) -> f64;
 }
 
-/// Byte accounting shared by a [`HostMemory`] and the buffers it hands out.
+/// Byte accounting of a backend: bytes held now and at the peak, under an optional limit.
 #[derive(Debug, Default)]
-struct Usage {
+pub(crate) struct Usage {
     now: AtomicUsize,
     peak: AtomicUsize,
 }
 
 impl Usage {
-    /// Reserves `bytes` under `limit`, or explains why it cannot.
-    fn reserve(&self, bytes: usize, limit: Option<usize>, what: &str) -> candle::Result<()> {
+    /// Reserves `bytes` under `limit`, or explains why it cannot; the bytes are returned when
+    /// the reservation drops.
+    pub(crate) fn reserve(
+        self: &Arc<Self>,
+        bytes: usize,
+        limit: Option<usize>,
+        what: &str,
+    ) -> candle::Result<Reservation> {
         let mut now = self.now.load(Ordering::Relaxed);
         loop {
             let next = now + bytes;
@@ -92,11 +100,37 @@ impl Usage {
             {
                 Ok(_) => {
                     self.peak.fetch_max(next, Ordering::Relaxed);
-                    return Ok(());
+                    return Ok(Reservation {
+                        bytes,
+                        usage: self.clone(),
+                    });
                 }
                 Err(v) => now = v,
             }
         }
+    }
+
+    /// Bytes held now.
+    pub(crate) fn now(&self) -> usize {
+        self.now.load(Ordering::Relaxed)
+    }
+
+    /// The most bytes held at once.
+    pub(crate) fn peak(&self) -> usize {
+        self.peak.load(Ordering::Relaxed)
+    }
+}
+
+/// Bytes counted against a [`Usage`] until dropped.
+#[derive(Debug)]
+pub(crate) struct Reservation {
+    bytes: usize,
+    usage: Arc<Usage>,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.usage.now.fetch_sub(self.bytes, Ordering::Relaxed);
     }
 }
 
@@ -104,21 +138,13 @@ impl Usage {
 #[derive(Debug)]
 pub struct HostBuffer {
     bytes: Vec<u8>,
-    usage: Arc<Usage>,
+    _reserved: Reservation,
 }
 
 impl HostBuffer {
     /// The buffer's bytes.
     pub fn bytes(&self) -> &[u8] {
         &self.bytes
-    }
-}
-
-impl Drop for HostBuffer {
-    fn drop(&mut self) {
-        self.usage
-            .now
-            .fetch_sub(self.bytes.len(), Ordering::Relaxed);
     }
 }
 
@@ -186,11 +212,11 @@ impl HostMemory {
                 QmoeError::OutOfMemory(format!("{what}: cannot allocate {bytes} bytes")).into(),
             );
         }
-        self.usage.reserve(bytes, self.limit, what)?;
+        let reserved = self.usage.reserve(bytes, self.limit, what)?;
         v.resize(bytes, 0);
         Ok(HostBuffer {
             bytes: v,
-            usage: self.usage.clone(),
+            _reserved: reserved,
         })
     }
 
@@ -206,10 +232,11 @@ impl MemoryBackend for HostMemory {
 
     fn alloc_arena(
         &self,
+        layout: ExpertLayout,
         slots: usize,
-        slab_bytes: usize,
         num_experts: usize,
     ) -> candle::Result<HostArena> {
+        let slab_bytes = layout.slab_bytes();
         let what = format!("an expert cache of {slots} slots × {slab_bytes} bytes");
         Ok(HostArena {
             slots: self.buffer(slots * slab_bytes, &what)?,
@@ -222,8 +249,8 @@ impl MemoryBackend for HostMemory {
         self.buffer(bytes, &format!("a staging buffer of {bytes} bytes"))
     }
 
-    fn staging_mut<'a>(&self, staging: &'a mut HostBuffer) -> &'a mut [u8] {
-        &mut staging.bytes
+    fn staging_mut<'a>(&self, staging: &'a mut HostBuffer) -> candle::Result<&'a mut [u8]> {
+        Ok(&mut staging.bytes)
     }
 
     fn copy_to_slot(
@@ -276,26 +303,33 @@ impl MemoryBackend for HostMemory {
     }
 
     fn allocated_bytes(&self) -> usize {
-        self.usage.now.load(Ordering::Relaxed)
+        self.usage.now()
     }
 
     fn peak_bytes(&self) -> usize {
-        self.usage.peak.load(Ordering::Relaxed)
+        self.usage.peak()
     }
 
     fn link_bytes_per_s(&self) -> f64 {
-        static BW: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
-        *BW.get_or_init(|| {
-            let src = vec![1u8; 32 << 20];
-            let mut dst = vec![0u8; src.len()];
-            let mut best = f64::MAX;
-            for _ in 0..3 {
-                let t = Instant::now();
-                dst.copy_from_slice(std::hint::black_box(&src));
-                best = best.min(t.elapsed().as_secs_f64());
-            }
-            std::hint::black_box(&dst);
-            src.len() as f64 / best.max(1e-9)
-        })
+        host_copy_bytes_per_s()
     }
+}
+
+/// The host's `memcpy` bandwidth in bytes per second (best of three 32 MiB copies, measured
+/// once per process): the link of [`HostMemory`] and a proxy of how fast the CPU kernel streams
+/// a slab.
+pub fn host_copy_bytes_per_s() -> f64 {
+    static BW: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *BW.get_or_init(|| {
+        let src = vec![1u8; 32 << 20];
+        let mut dst = vec![0u8; src.len()];
+        let mut best = f64::MAX;
+        for _ in 0..3 {
+            let t = Instant::now();
+            dst.copy_from_slice(std::hint::black_box(&src));
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        std::hint::black_box(&dst);
+        src.len() as f64 / best.max(1e-9)
+    })
 }

@@ -45,17 +45,31 @@ impl FromStr for HybridMode {
     }
 }
 
+impl HybridMode {
+    /// Whether this step's misses are computed on the CPU under `cost`.
+    pub fn misses_on_cpu(self, cost: &CostModel) -> bool {
+        match self {
+            Self::Off => false,
+            Self::Auto => cost.prefers_cpu(),
+            Self::Always => true,
+        }
+    }
+}
+
 /// Bandwidths the hybrid decision compares, in bytes per second.
 #[derive(Clone, Copy, Debug, PartialEq)]
-struct CostModel {
-    link: f64,
-    cpu: f64,
-    device: f64,
+pub struct CostModel {
+    /// Host → device copies.
+    pub link: f64,
+    /// The CPU streaming a slab through its kernel.
+    pub cpu: f64,
+    /// The device streaming a slab through its kernels.
+    pub device: f64,
 }
 
 impl CostModel {
     /// Whether reading a slab once on the CPU beats copying it and reading it on the device.
-    fn prefers_cpu(&self) -> bool {
+    pub fn prefers_cpu(&self) -> bool {
         1.0 / self.cpu < 1.0 / self.link + 1.0 / self.device
     }
 }
@@ -114,15 +128,6 @@ impl ResidentExperts {
     pub fn stats(&self) -> ResidencyStats {
         self.store().stats().clone()
     }
-
-    fn compute_on_cpu(&self, store: &ExpertStore<HostMemory>, expert: usize) -> bool {
-        !store.is_resident(expert)
-            && match self.hybrid {
-                HybridMode::Off => false,
-                HybridMode::Auto => self.cost.prefers_cpu(),
-                HybridMode::Always => true,
-            }
-    }
 }
 
 impl RoutedExperts for ResidentExperts {
@@ -151,13 +156,7 @@ impl RoutedExperts for ResidentExperts {
         x.apply_op3_no_bwd(&ids, &w, self)?.to_dtype(xs.dtype())
     }
     fn prefetch(&self, expert_ids: &[u32]) -> candle::Result<()> {
-        let mut seen = vec![false; self.num_experts];
-        let guess: Vec<usize> = expert_ids
-            .iter()
-            .map(|&e| e as usize)
-            .filter(|&e| e < seen.len() && !std::mem::replace(&mut seen[e], true))
-            .collect();
-        self.store().prefetch(&guess)
+        self.store().prefetch(expert_ids)
     }
     fn supports_prefetch(&self) -> bool {
         true
@@ -185,14 +184,7 @@ impl CustomOp3 for ResidentExperts {
         let plan = RoutePlan::new(ids, k, self.num_experts)?;
         let mut store = self.store();
         let routed: Vec<usize> = plan.experts().collect();
-        store.settle_prefetch(&routed);
-        let mut on_cpu = vec![false; self.num_experts];
-        for &e in &routed {
-            if self.compute_on_cpu(&store, e) {
-                on_cpu[e] = true;
-                store.count_hybrid_miss();
-            }
-        }
+        let on_cpu = store.begin_step(&routed, self.hybrid.misses_on_cpu(&self.cost));
         // Rounds of ascending experts with at most `capacity` of them from the cache.
         let mut out = vec![0f32; xs.len()];
         let mut round: Vec<(usize, Vec<usize>)> = Vec::new();
@@ -228,13 +220,37 @@ impl CustomOp3 for ResidentExperts {
     }
 }
 
-/// Builds the [`ResidentExperts`] of every MoE layer of a model with one profile, one memory
-/// backend and one staging ring, and reports their counters.
+/// What [`Residency`] reads from a layer's resident experts, whatever the backend.
+pub trait ResidentLayer: RoutedExperts {
+    /// The layer's counters so far.
+    fn stats(&self) -> ResidencyStats;
+    /// The layer's slots.
+    fn capacity(&self) -> usize;
+}
+
+impl ResidentLayer for ResidentExperts {
+    fn stats(&self) -> ResidencyStats {
+        self.store().stats().clone()
+    }
+    fn capacity(&self) -> usize {
+        self.store().capacity()
+    }
+}
+
+/// A backend's staging ring, created with the first layer (one expert per buffer by default).
+type RingSlot<B> = Mutex<Option<Arc<Mutex<StagingRing<B>>>>>;
+
+/// Builds the resident experts of every MoE layer of a model with one profile, one memory
+/// backend per device kind and one staging ring per backend, and sums their counters.
 pub struct Residency {
     options: ResidencyOptions,
-    backend: Arc<HostMemory>,
-    ring: Mutex<Option<Arc<Mutex<StagingRing<HostMemory>>>>>,
-    layers: Mutex<Vec<(usize, Arc<ResidentExperts>)>>,
+    host: Arc<HostMemory>,
+    host_ring: RingSlot<HostMemory>,
+    #[cfg(feature = "cuda")]
+    cuda: Mutex<Option<Arc<super::cuda::CudaMemory>>>,
+    #[cfg(feature = "cuda")]
+    cuda_ring: RingSlot<super::cuda::CudaMemory>,
+    layers: Mutex<Vec<(usize, Arc<dyn ResidentLayer>)>>,
 }
 
 impl std::fmt::Debug for Residency {
@@ -247,12 +263,16 @@ impl std::fmt::Debug for Residency {
 }
 
 impl Residency {
-    /// A residency in host memory (the CPU implementation of the protocol).
-    pub fn host(options: ResidencyOptions) -> Self {
+    /// A residency with this profile; each layer's cache goes to the device its model runs on.
+    pub fn new(options: ResidencyOptions) -> Self {
         Self {
-            backend: Arc::new(HostMemory::new(options.device_memory_limit)),
+            host: Arc::new(HostMemory::new(options.device_memory_limit)),
             options,
-            ring: Mutex::default(),
+            host_ring: Mutex::default(),
+            #[cfg(feature = "cuda")]
+            cuda: Mutex::default(),
+            #[cfg(feature = "cuda")]
+            cuda_ring: Mutex::default(),
             layers: Mutex::default(),
         }
     }
@@ -262,64 +282,109 @@ impl Residency {
         &self.options
     }
 
-    /// The memory backend (e.g. to inject faults or read the peak bytes).
-    pub fn backend(&self) -> &Arc<HostMemory> {
-        &self.backend
+    /// The host-memory backend of CPU layers (e.g. to inject faults).
+    pub fn host_memory(&self) -> &Arc<HostMemory> {
+        &self.host
     }
 
-    /// The resident experts of decoder layer `layer` (top-k `top_k`) over `source`, admitted
-    /// against the profile: capacity below top-k, staging below one expert or a cache that does
-    /// not fit the device memory is an error naming the numbers.
+    /// The resident experts of decoder layer `layer` (top-k `top_k`) over `source` on
+    /// `device`, admitted against the profile: capacity below top-k, staging below one expert or
+    /// a cache that does not fit the device memory is an error naming the numbers.
     pub fn layer(
         &self,
         layer: usize,
         top_k: usize,
         source: LayerPack,
+        device: &candle::Device,
+    ) -> candle::Result<Arc<dyn RoutedExperts>> {
+        match device {
+            candle::Device::Cpu => Ok(self.host_layer(layer, top_k, source)?),
+            #[cfg(feature = "cuda")]
+            candle::Device::Cuda(dev) => Ok(self.cuda_layer(layer, top_k, source, dev)?),
+            _ => candle::bail!("resident experts: unsupported device {device:?}"),
+        }
+    }
+
+    /// [`Residency::layer`] in host memory, computed by the CPU kernel.
+    pub fn host_layer(
+        &self,
+        layer: usize,
+        top_k: usize,
+        source: LayerPack,
     ) -> candle::Result<Arc<ResidentExperts>> {
-        let capacity = self
-            .options
-            .resident
-            .capacity(layer, source.num_experts())?;
-        let ring = {
-            let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
-            match &*ring {
-                Some(r) => r.clone(),
-                None => {
-                    let bytes = self
-                        .options
-                        .staging_bytes
-                        .unwrap_or(source.layout().slab_bytes());
-                    let r = Arc::new(Mutex::new(StagingRing::new(
-                        &*self.backend,
-                        self.options.staging_buffers,
-                        bytes,
-                    )?));
-                    ring.replace(r.clone());
-                    r
-                }
-            }
-        };
-        let store = ExpertStore::new(
-            self.backend.clone(),
-            source,
-            capacity,
-            top_k,
-            ring,
-            self.options.policy,
-        )
-        .map_err(|e| {
-            candle::Error::Msg(format!("layer {layer}: cannot admit the expert cache: {e}"))
-        })?;
+        let store = self.admit(&self.host, &self.host_ring, layer, top_k, source)?;
         let experts = Arc::new(ResidentExperts::new(store, self.options.hybrid));
-        self.layers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push((layer, experts.clone()));
+        self.register(layer, experts.clone());
         Ok(experts)
     }
 
+    /// [`Residency::layer`] on a CUDA device, computed by the CUDA kernels.
+    #[cfg(feature = "cuda")]
+    pub fn cuda_layer(
+        &self,
+        layer: usize,
+        top_k: usize,
+        source: LayerPack,
+        device: &candle::CudaDevice,
+    ) -> candle::Result<Arc<super::cuda::CudaResidentExperts>> {
+        let memory = {
+            let mut slot = self.cuda.lock().unwrap_or_else(|p| p.into_inner());
+            match &*slot {
+                Some(m) if m.device().id() == device.id() => m.clone(),
+                Some(_) => candle::bail!("resident experts: one residency serves one GPU"),
+                None => slot
+                    .insert(Arc::new(super::cuda::CudaMemory::new(
+                        device,
+                        self.options.device_memory_limit,
+                    )?))
+                    .clone(),
+            }
+        };
+        let store = self.admit(&memory, &self.cuda_ring, layer, top_k, source)?;
+        let experts = Arc::new(super::cuda::CudaResidentExperts::new(
+            store,
+            self.options.hybrid,
+        ));
+        self.register(layer, experts.clone());
+        Ok(experts)
+    }
+
+    /// Admits one layer's store on `backend`, creating the backend's staging ring first.
+    fn admit<B: MemoryBackend>(
+        &self,
+        backend: &Arc<B>,
+        ring: &RingSlot<B>,
+        layer: usize,
+        top_k: usize,
+        source: LayerPack,
+    ) -> candle::Result<ExpertStore<B>> {
+        let o = &self.options;
+        let capacity = o.resident.capacity(layer, source.num_experts())?;
+        let ring = {
+            let mut ring = ring.lock().unwrap_or_else(|p| p.into_inner());
+            match &*ring {
+                Some(r) => r.clone(),
+                None => {
+                    let bytes = o.staging_bytes.unwrap_or(source.layout().slab_bytes());
+                    let r = StagingRing::new(&**backend, o.staging_buffers, bytes)?;
+                    ring.insert(Arc::new(Mutex::new(r))).clone()
+                }
+            }
+        };
+        ExpertStore::new(backend.clone(), source, capacity, top_k, ring, o.policy).map_err(|e| {
+            candle::Error::Msg(format!("layer {layer}: cannot admit the expert cache: {e}"))
+        })
+    }
+
+    fn register(&self, layer: usize, experts: Arc<dyn ResidentLayer>) {
+        self.layers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((layer, experts));
+    }
+
     /// The layers built so far: `(decoder layer, experts)`.
-    pub fn layers(&self) -> Vec<(usize, Arc<ResidentExperts>)> {
+    pub fn layers(&self) -> Vec<(usize, Arc<dyn ResidentLayer>)> {
         self.layers
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -328,10 +393,7 @@ impl Residency {
 
     /// Slots per MoE layer, in layer order.
     pub fn capacities(&self) -> Vec<usize> {
-        self.layers()
-            .iter()
-            .map(|(_, x)| x.store().capacity())
-            .collect()
+        self.layers().iter().map(|(_, x)| x.capacity()).collect()
     }
 
     /// The counters summed over layers.
@@ -343,8 +405,12 @@ impl Residency {
         total
     }
 
-    /// Peak bytes of device memory held by caches and staging.
+    /// Peak bytes held by the caches (and, in host memory, the staging ring).
     pub fn peak_device_bytes(&self) -> usize {
-        self.backend.peak_bytes()
+        #[cfg(feature = "cuda")]
+        if let Some(m) = &*self.cuda.lock().unwrap_or_else(|p| p.into_inner()) {
+            return m.peak_bytes();
+        }
+        self.host.peak_bytes()
     }
 }

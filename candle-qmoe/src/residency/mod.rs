@@ -6,9 +6,10 @@
 //! * [`store`] — [`ExpertStore`]: one layer's slots, staging, publication and retirement.
 //! * [`policy`] — LRU (default), LFU and LFRU eviction.
 //! * [`stats`] — hits, misses, evictions, bytes copied, prefetches, stall time.
-//! * [`ResidentExperts`] — a [`crate::RoutedExperts`] backend computing through a store, with
-//!   optional prefetch and hybrid CPU compute; [`Residency`] builds one per layer and sums
-//!   their counters.
+//! * [`ResidentExperts`] — a [`crate::RoutedExperts`] backend computing through a host-memory
+//!   store with the CPU kernel, with optional prefetch and hybrid CPU compute; `cuda` (feature
+//!   `cuda`) holds the CUDA backend and its experts; [`Residency`] builds one per layer on the
+//!   model's device and sums their counters.
 //!
 //! ```
 //! use candle_qmoe::residency::{Resident, ResidencyOptions};
@@ -28,6 +29,8 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod device;
 mod experts;
 pub mod policy;
@@ -37,7 +40,7 @@ pub mod store;
 use std::str::FromStr;
 
 pub use device::{HostMemory, MemoryBackend};
-pub use experts::{HybridMode, Residency, ResidentExperts};
+pub use experts::{CostModel, HybridMode, Residency, ResidentExperts, ResidentLayer};
 pub use policy::{EvictionPolicy, PolicyKind};
 pub use stats::ResidencyStats;
 pub use store::{ExpertStore, StagingRing};

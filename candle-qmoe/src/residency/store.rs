@@ -65,7 +65,7 @@ impl<B: MemoryBackend> StagingRing<B> {
         if let Some(ev) = pending.take() {
             backend.wait(&ev)?;
         }
-        backend.staging_mut(buf)[..bytes.len()].copy_from_slice(bytes);
+        backend.staging_mut(buf)?[..bytes.len()].copy_from_slice(bytes);
         let ev = copy(buf)?;
         *pending = Some(ev.clone());
         Ok(ev)
@@ -135,7 +135,7 @@ impl<B: MemoryBackend> ExpertStore<B> {
             ))
             .into());
         }
-        let arena = backend.alloc_arena(capacity, slab, e)?;
+        let arena = backend.alloc_arena(source.layout(), capacity, e)?;
         let mut store = Self {
             backend,
             source,
@@ -190,15 +190,11 @@ impl<B: MemoryBackend> ExpertStore<B> {
     pub fn backend(&self) -> &Arc<B> {
         &self.backend
     }
-    /// Counts a missed expert computed from the host source instead of being copied.
-    pub fn count_hybrid_miss(&mut self) {
-        self.stats.misses += 1;
-        self.stats.hybrid_cpu_experts += 1;
-    }
-
-    /// Settles the prefetch counters against the experts a step routes to (call once per step,
-    /// before [`ExpertStore::ensure`]).
-    pub fn settle_prefetch(&mut self, routed: &[usize]) {
+    /// Starts a step routed to `routed` (distinct experts): settles the prefetch counters
+    /// (prefetched experts used now, or wasted) and, when `misses_on_cpu`, marks the routed
+    /// experts that are not resident to be computed from the host source (counted as misses
+    /// and hybrid computations). Returns that mark per expert.
+    pub fn begin_step(&mut self, routed: &[usize], misses_on_cpu: bool) -> Vec<bool> {
         for &e in routed {
             if std::mem::take(&mut self.prefetched[e]) {
                 self.stats.prefetch_used += 1;
@@ -208,6 +204,17 @@ impl<B: MemoryBackend> ExpertStore<B> {
             *p = false;
             self.stats.prefetch_wasted += 1;
         }
+        let mut on_cpu = vec![false; self.num_experts()];
+        if misses_on_cpu {
+            for &e in routed {
+                if !self.is_resident(e) {
+                    on_cpu[e] = true;
+                    self.stats.misses += 1;
+                    self.stats.hybrid_cpu_experts += 1;
+                }
+            }
+        }
+        on_cpu
     }
 
     /// Makes `experts` (distinct, at most `capacity`) resident and publishes the table kernels
@@ -216,13 +223,16 @@ impl<B: MemoryBackend> ExpertStore<B> {
         self.copy_in(experts, Copy::Miss)
     }
 
-    /// Starts copying `experts` that are not resident (a guess at the next step's routing),
-    /// evicting only experts outside the guess; counted as prefetches, not misses.
-    pub fn prefetch(&mut self, experts: &[usize]) -> candle::Result<()> {
-        let guess: Vec<usize> = experts
+    /// Starts copying the experts of `expert_ids` (a guess at the next step's routing, best
+    /// first; duplicates and out-of-range ids are skipped, at most `capacity` are taken) that
+    /// are not resident, evicting only experts outside the guess; counted as prefetches, not
+    /// misses.
+    pub fn prefetch(&mut self, expert_ids: &[u32]) -> candle::Result<()> {
+        let mut seen = vec![false; self.num_experts()];
+        let guess: Vec<usize> = expert_ids
             .iter()
-            .copied()
-            .filter(|&e| e < self.num_experts())
+            .map(|&e| e as usize)
+            .filter(|&e| e < seen.len() && !std::mem::replace(&mut seen[e], true))
             .take(self.capacity())
             .collect();
         self.copy_in(&guess, Copy::Prefetch)

@@ -1,0 +1,389 @@
+//! The CUDA backend of the residency protocol (feature `cuda`).
+//!
+//! [`CudaMemory`] keeps each layer's slot arena in device memory (a [`DeviceExperts`] with fewer
+//! slots than experts, whose slot table the kernels index through), stages slabs through pinned
+//! host buffers, copies them on a stream of its own, and orders everything with CUDA events: a
+//! copy into a slot waits for the event recorded after the kernels that last read it
+//! (retirement); the compute stream waits for a step's copies and then receives the new slot
+//! table (publication), so kernels never see a half-copied expert. [`CudaResidentExperts`] runs
+//! the W4A16 CUDA kernels through such a store.
+
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use candle::cuda_backend::cudarc::driver::{CudaEvent, CudaStream, PinnedHostSlice};
+use candle::cuda_backend::{CudaDevice, WrapErr};
+use candle::{DType, Tensor};
+
+use super::device::{host_copy_bytes_per_s, MemoryBackend, Reservation, Usage};
+use super::experts::{CostModel, HybridMode, ResidentLayer};
+use super::stats::ResidencyStats;
+use super::store::ExpertStore;
+use crate::experts::check_call;
+use crate::kernels::cuda::{kernel_inputs, CudaPath, DeviceExperts};
+use crate::kernels::{cpu, RoutePlan};
+use crate::pack::ExpertLayout;
+use crate::{QmoeError, RoutedExperts};
+
+/// A layer's slot arena on the GPU.
+pub struct CudaArena {
+    experts: DeviceExperts,
+    _reserved: Reservation,
+}
+
+impl CudaArena {
+    /// The slots and slot table, as the kernels read them.
+    pub fn experts(&self) -> &DeviceExperts {
+        &self.experts
+    }
+}
+
+/// [`MemoryBackend`] on a CUDA device (see the module docs).
+pub struct CudaMemory {
+    device: CudaDevice,
+    copy: Arc<CudaStream>,
+    limit: Option<usize>,
+    usage: Arc<Usage>,
+    link: OnceLock<f64>,
+    hbm: OnceLock<f64>,
+}
+
+impl CudaMemory {
+    /// Device memory of `device` for expert caches, at most `limit` bytes of arenas when given.
+    pub fn new(device: &CudaDevice, limit: Option<usize>) -> candle::Result<Self> {
+        let copy = device.cuda_stream().context().new_stream().w()?;
+        Ok(Self {
+            device: device.clone(),
+            copy,
+            limit,
+            usage: Arc::default(),
+            link: OnceLock::new(),
+            hbm: OnceLock::new(),
+        })
+    }
+
+    /// The GPU.
+    pub fn device(&self) -> &CudaDevice {
+        &self.device
+    }
+
+    /// Bytes per second of a 64 MiB copy from pinned host memory (`device_to_device` false) or
+    /// within the device, timed with events (best of three).
+    fn measure(&self, device_to_device: bool) -> candle::Result<f64> {
+        const BYTES: usize = 64 << 20;
+        let stream = &self.copy;
+        let ctx = stream.context();
+        let mut dst = self.device.alloc_zeros::<u8>(BYTES)?;
+        let src_dev = self.device.alloc_zeros::<u8>(BYTES)?;
+        // SAFETY: the pinned buffer is only read by the copies below, after being zero-filled.
+        let mut pinned: PinnedHostSlice<u8> = unsafe { ctx.alloc_pinned(BYTES) }.w()?;
+        pinned.as_mut_slice().w()?.fill(0);
+        let timing =
+            Some(candle::cuda_backend::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut best = f64::MAX;
+        for _ in 0..3 {
+            let start = stream.record_event(timing).w()?;
+            if device_to_device {
+                stream.memcpy_dtod(&src_dev, &mut dst).w()?;
+            } else {
+                stream.memcpy_htod(&pinned, &mut dst).w()?;
+            }
+            let end = stream.record_event(timing).w()?;
+            end.synchronize().w()?;
+            best = best.min(start.elapsed_ms(&end).w()? as f64 / 1e3);
+        }
+        // A device-to-device copy reads and writes every byte.
+        let moved = if device_to_device { 2 * BYTES } else { BYTES };
+        Ok(moved as f64 / best.max(1e-9))
+    }
+
+    /// Measured bandwidth of the device's memory (device-to-device copy).
+    pub fn device_bytes_per_s(&self) -> f64 {
+        *self.hbm.get_or_init(|| self.measure(true).unwrap_or(1e12))
+    }
+}
+
+impl MemoryBackend for CudaMemory {
+    type Event = Arc<CudaEvent>;
+    type Arena = CudaArena;
+    type Staging = PinnedHostSlice<u8>;
+
+    fn alloc_arena(
+        &self,
+        layout: ExpertLayout,
+        slots: usize,
+        num_experts: usize,
+    ) -> candle::Result<CudaArena> {
+        let bytes = slots * layout.slab_bytes();
+        let what = format!(
+            "an expert cache of {slots} slots × {} bytes",
+            layout.slab_bytes()
+        );
+        let reserved = self.usage.reserve(bytes, self.limit, &what)?;
+        let (free, total) = self.device.cuda_stream().context().mem_get_info().w()?;
+        if bytes > free {
+            return Err(QmoeError::OutOfMemory(format!(
+                "{what} needs {bytes} bytes but the GPU has {free} of {total} bytes free"
+            ))
+            .into());
+        }
+        let experts = DeviceExperts::with_capacity(layout, num_experts, slots, &self.device)
+            .map_err(|e| QmoeError::OutOfMemory(format!("{what}: {e}")))?;
+        Ok(CudaArena {
+            experts,
+            _reserved: reserved,
+        })
+    }
+
+    fn alloc_staging(&self, bytes: usize) -> candle::Result<PinnedHostSlice<u8>> {
+        let ctx = self.device.cuda_stream().context().clone();
+        // SAFETY: staging bytes are written by the host before any copy reads them.
+        unsafe { ctx.alloc_pinned::<u8>(bytes) }.map_err(|e| {
+            QmoeError::OutOfMemory(format!("a pinned staging buffer of {bytes} bytes: {e}")).into()
+        })
+    }
+
+    fn staging_mut<'a>(
+        &self,
+        staging: &'a mut PinnedHostSlice<u8>,
+    ) -> candle::Result<&'a mut [u8]> {
+        staging.as_mut_slice().w()
+    }
+
+    fn copy_to_slot(
+        &self,
+        src: &PinnedHostSlice<u8>,
+        len: usize,
+        arena: &mut CudaArena,
+        slot: usize,
+        after: Option<&Arc<CudaEvent>>,
+    ) -> candle::Result<Arc<CudaEvent>> {
+        let n = arena.experts.layout().slab_bytes();
+        if len > n {
+            candle::bail!("copy of {len} bytes into a slot of {n} bytes");
+        }
+        if let Some(readers) = after {
+            self.copy.wait(readers).w()?;
+        }
+        let bytes = &src.as_slice().w()?[..len];
+        let mut dst = arena
+            .experts
+            .slabs_mut()
+            .slice_mut(slot * n..slot * n + len);
+        self.copy
+            .memcpy_htod(bytes, &mut dst)
+            .map_err(|e| QmoeError::CopyFailed(format!("{len} bytes into slot {slot}: {e}")))?;
+        Ok(Arc::new(self.copy.record_event(None).w()?))
+    }
+
+    fn publish(
+        &self,
+        arena: &mut CudaArena,
+        table: &[u32],
+        copies: &[Arc<CudaEvent>],
+    ) -> candle::Result<()> {
+        let compute = self.device.cuda_stream();
+        for ev in copies {
+            compute.wait(ev).w()?;
+        }
+        compute
+            .memcpy_htod(table, arena.experts.slot_table_mut())
+            .w()
+    }
+
+    fn record_readers(&self) -> candle::Result<Arc<CudaEvent>> {
+        Ok(Arc::new(self.device.cuda_stream().record_event(None).w()?))
+    }
+
+    fn wait(&self, event: &Arc<CudaEvent>) -> candle::Result<()> {
+        event.synchronize().w()
+    }
+
+    fn allocated_bytes(&self) -> usize {
+        self.usage.now()
+    }
+
+    fn peak_bytes(&self) -> usize {
+        self.usage.peak()
+    }
+
+    fn link_bytes_per_s(&self) -> f64 {
+        *self
+            .link
+            .get_or_init(|| self.measure(false).unwrap_or(1e10))
+    }
+}
+
+/// Routed experts of one layer served through a bounded expert cache in GPU memory and
+/// computed by the CUDA W4A16 kernels.
+///
+/// A call reads the routing back to the host (the copies depend on it), makes the routed
+/// experts resident and publishes the slot table, then launches the kernels. When a call needs
+/// more experts than the cache holds, it runs in chunks of consecutive tokens whose experts fit,
+/// all with the kernel path the whole call would use, so every token's output is the same as at
+/// full residency. Misses sent to the CPU (`--hybrid`) are computed there from the host source
+/// and added to the GPU's result (a different summation order than the GPU's own).
+pub struct CudaResidentExperts {
+    store: Mutex<ExpertStore<CudaMemory>>,
+    hybrid: HybridMode,
+    cost: CostModel,
+    isa: cpu::CpuIsa,
+    hidden: usize,
+    num_experts: usize,
+}
+
+impl CudaResidentExperts {
+    /// Wraps a store; `hybrid` decides what happens to misses.
+    pub fn new(store: ExpertStore<CudaMemory>, hybrid: HybridMode) -> Self {
+        let cost = CostModel {
+            link: store.backend().link_bytes_per_s(),
+            cpu: host_copy_bytes_per_s(),
+            device: store.backend().device_bytes_per_s(),
+        };
+        Self {
+            hidden: store.layout().hidden,
+            num_experts: store.num_experts(),
+            store: Mutex::new(store),
+            hybrid,
+            cost,
+            isa: cpu::CpuIsa::detect(),
+        }
+    }
+
+    /// The store (locked).
+    pub fn store(&self) -> MutexGuard<'_, ExpertStore<CudaMemory>> {
+        self.store.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The experts of `plan` marked in `on_cpu`, computed by the CPU kernel from the host
+    /// source: `[T, H]` on `x`'s device in `x`'s dtype.
+    fn cpu_part(
+        &self,
+        store: &ExpertStore<CudaMemory>,
+        plan: &RoutePlan,
+        on_cpu: &[bool],
+        x: &Tensor,
+        w: &Tensor,
+    ) -> candle::Result<Tensor> {
+        let sub = RoutePlan {
+            top_k: plan.top_k,
+            tokens: plan.tokens,
+            groups: plan
+                .groups
+                .iter()
+                .filter(|(e, _)| on_cpu[*e])
+                .cloned()
+                .collect(),
+        };
+        let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let ws = w.flatten_all()?.to_vec1::<f32>()?;
+        let source = store.source();
+        let y = cpu::routed_forward(
+            self.isa,
+            store.layout(),
+            &|e| source.slab(e).bytes,
+            &sub,
+            &xs,
+            &ws,
+        );
+        Tensor::from_vec(y, (plan.tokens, self.hidden), x.device())?.to_dtype(x.dtype())
+    }
+}
+
+impl RoutedExperts for CudaResidentExperts {
+    fn num_experts(&self) -> usize {
+        self.num_experts
+    }
+    fn hidden_size(&self) -> usize {
+        self.hidden
+    }
+    fn forward(
+        &self,
+        xs: &Tensor,
+        expert_ids: &Tensor,
+        weights: &Tensor,
+    ) -> candle::Result<Tensor> {
+        let (t, k) = check_call(xs, expert_ids, weights, self.hidden)?;
+        let (x, ids, w) = kernel_inputs(xs, expert_ids, weights)?;
+        let ids_host = ids.flatten_all()?.to_vec1::<u32>()?;
+        let plan = RoutePlan::new(&ids_host, k, self.num_experts)?;
+        let routed: Vec<usize> = plan.experts().collect();
+        let mut store = self.store();
+        let on_cpu = store.begin_step(&routed, self.hybrid.misses_on_cpu(&self.cost));
+        let any_cpu = on_cpu.iter().any(|&c| c);
+        // Experts computed on the CPU become out-of-range ids, which the kernels skip.
+        let gpu_ids: Vec<u32> = ids_host
+            .iter()
+            .map(|&e| match on_cpu[e as usize] {
+                true => self.num_experts as u32,
+                false => e,
+            })
+            .collect();
+        let path = match store.arena().experts().decode_fits(t, x.dtype()) {
+            true => CudaPath::Decode,
+            false => CudaPath::Prefill,
+        };
+        let capacity = store.capacity();
+        let mut outs = Vec::new();
+        let mut start = 0;
+        while start < t {
+            let mut wanted = vec![false; self.num_experts];
+            let (mut count, mut end) = (0, start);
+            while end < t {
+                let row = &gpu_ids[end * k..(end + 1) * k];
+                let new = row
+                    .iter()
+                    .filter(|&&e| (e as usize) < self.num_experts && !wanted[e as usize])
+                    .count();
+                if count + new > capacity {
+                    break;
+                }
+                for &e in row.iter().filter(|&&e| (e as usize) < self.num_experts) {
+                    wanted[e as usize] = true;
+                }
+                count += new;
+                end += 1;
+            }
+            let experts: Vec<usize> = (0..self.num_experts).filter(|&e| wanted[e]).collect();
+            store.ensure(&experts)?;
+            let n = end - start;
+            let chunk_ids = match (any_cpu, n == t) {
+                (false, true) => ids.clone(),
+                _ => Tensor::from_slice(&gpu_ids[start * k..end * k], (n, k), x.device())?,
+            };
+            let y = store.arena().experts().forward_tensors(
+                &x.narrow(0, start, n)?,
+                &chunk_ids,
+                &w.narrow(0, start, n)?,
+                path,
+                false,
+            )?;
+            store.retire(&experts)?;
+            outs.push(y);
+            start = end;
+        }
+        let mut out = match outs.len() {
+            0 => x.zeros_like()?,
+            1 => outs.remove(0),
+            _ => Tensor::cat(&outs, 0)?,
+        };
+        if any_cpu {
+            out = (out + self.cpu_part(&store, &plan, &on_cpu, &x, &w)?)?;
+        }
+        out.to_dtype(xs.dtype())
+    }
+    fn prefetch(&self, expert_ids: &[u32]) -> candle::Result<()> {
+        self.store().prefetch(expert_ids)
+    }
+    fn supports_prefetch(&self) -> bool {
+        true
+    }
+}
+
+impl ResidentLayer for CudaResidentExperts {
+    fn stats(&self) -> ResidencyStats {
+        self.store().stats().clone()
+    }
+    fn capacity(&self) -> usize {
+        self.store().capacity()
+    }
+}

@@ -1,0 +1,276 @@
+//! Predicts the memory a MoE model needs, per component, before anything is loaded, and fits the
+//! expert cache to a memory budget. Only `config.json` is read: no weights are needed.
+//!
+//! ```text
+//! cargo run --release --example plan -- --config examples/configs/olmoe-1b-7b-0924.json \
+//!     --ctx 4096 --vram-budget 6GiB
+//! cargo run --release --example plan -- --synthetic qwen2moe --resident 30 --json plan.json
+//! cargo run --release --example plan -- --model-id allenai/OLMoE-1B-7B-0924 --device cpu \
+//!     --vram-budget 8GiB
+//! ```
+//!
+//! Prints one row per component (min, max, share of the budget), the resident experts per MoE
+//! layer and the host figures. With `--vram-budget` and no `--resident`, the largest capacities
+//! that fit are chosen; with both, the given residency is checked against the budget. A budget
+//! that cannot fit is refused with the component that does not fit and what would fit.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use candle::DType;
+use candle_qmoe::models::{AnyConfig, ModelConfig};
+use candle_qmoe::pack::GroupSize;
+use candle_qmoe::plan::{
+    self, ExpertStorage, FitOptions, Plan, PlanOptions, Target, DEFAULT_MARGIN,
+    DEFAULT_PREFILL_CHUNK, DEFAULT_STAGING_BUFFERS,
+};
+use candle_qmoe::residency::Resident;
+use candle_qmoe::synthetic::SyntheticKind;
+use clap::{ArgGroup, Parser, ValueEnum};
+use serde_json::json;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Experts {
+    /// INT4 weights with FP16 group scales (partial residency possible).
+    Int4,
+    /// Dense BF16 experts, all resident.
+    Bf16,
+    /// Dense F32 experts, all resident.
+    F32,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Dtype {
+    /// 32-bit floats (the CPU default).
+    F32,
+    /// bfloat16 (the GPU default).
+    Bf16,
+    /// IEEE half precision.
+    F16,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum DeviceKind {
+    /// A CUDA GPU: the budget is device memory.
+    Cuda,
+    /// The CPU: the budget is the process memory.
+    Cpu,
+}
+
+#[derive(Parser, Debug)]
+#[command(
+    about = "Predict a MoE model's memory per component and fit the expert cache to a budget"
+)]
+#[command(group(ArgGroup::new("source").required(true).args(["config", "model_dir", "model_id", "synthetic"])))]
+struct Args {
+    /// A config.json file.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// A checkpoint folder: its config.json is read.
+    #[arg(long)]
+    model_dir: Option<PathBuf>,
+    /// A Hugging Face model id: only its config.json is downloaded.
+    #[arg(long)]
+    model_id: Option<String>,
+    /// Hub revision (branch, tag or commit) for --model-id.
+    #[arg(long, requires = "model_id")]
+    revision: Option<String>,
+    /// The config of a synthetic model: tiny, olmoe or qwen2moe.
+    #[arg(long, value_parser = parse_synthetic)]
+    synthetic: Option<SyntheticKind>,
+    /// How the routed experts are stored.
+    #[arg(long, value_enum, default_value = "int4")]
+    experts: Experts,
+    /// INT4 group size: 32, 64, 128 or 256.
+    #[arg(long, default_value_t = 128)]
+    group_size: usize,
+    /// Context length (default: the model's max_position_embeddings).
+    #[arg(long)]
+    ctx: Option<usize>,
+    /// Sequences decoded together.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// Tokens per prefill forward pass (sizes the workspace).
+    #[arg(long, default_value_t = DEFAULT_PREFILL_CHUNK)]
+    prefill_chunk: usize,
+    /// Resident experts per MoE layer: `all`, a number, or one number per layer
+    /// (comma-separated). With --vram-budget it is checked against the budget instead of fitted.
+    #[arg(long, value_parser = parse_residency)]
+    resident: Option<Resident>,
+    /// Staging buffers of one expert each.
+    #[arg(long, default_value_t = DEFAULT_STAGING_BUFFERS)]
+    staging_buffers: usize,
+    /// Memory budget, e.g. 6GiB, 6000MB or a number of bytes (on --device cpu: the process
+    /// memory).
+    #[arg(long, value_parser = parse_budget, allow_hyphen_values = true)]
+    vram_budget: Option<u64>,
+    /// Fraction of the budget held back on top of every component's maximum.
+    #[arg(long, default_value_t = DEFAULT_MARGIN)]
+    margin: f64,
+    /// Weights per MoE layer for the fit (e.g. recorded misses), comma-separated: heavier
+    /// layers get spare slots first.
+    #[arg(long, value_delimiter = ',')]
+    layer_weights: Option<Vec<f64>>,
+    /// Let the fit reduce the context when the budget cannot hold it.
+    #[arg(long)]
+    allow_ctx_reduction: bool,
+    /// Where the model runs.
+    #[arg(long, value_enum, default_value = "cuda")]
+    device: DeviceKind,
+    /// Compute dtype of everything except the routed experts (default: bf16 on cuda, f32 on
+    /// cpu).
+    #[arg(long, value_enum)]
+    dtype: Option<Dtype>,
+    /// Write the plan to this JSON file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+fn parse_synthetic(s: &str) -> Result<SyntheticKind, String> {
+    s.parse().map_err(|e: candle_qmoe::QmoeError| e.to_string())
+}
+
+fn parse_residency(s: &str) -> Result<Resident, String> {
+    s.parse().map_err(|e: candle_qmoe::QmoeError| e.to_string())
+}
+
+fn parse_budget(s: &str) -> Result<u64, String> {
+    plan::parse_bytes(s).map_err(|e| e.to_string())
+}
+
+/// Only `config.json` of a hub model.
+fn hub_config(model_id: &str, revision: &str) -> Result<PathBuf> {
+    use hf_hub::{api::sync::ApiBuilder, Repo, RepoType};
+    let api = ApiBuilder::from_env().with_progress(false).build()?;
+    let repo = Repo::with_revision(model_id.to_string(), RepoType::Model, revision.to_string());
+    api.repo(repo).get("config.json").with_context(|| {
+        format!(
+            "cannot download config.json of `{model_id}` (revision {revision}) from the Hugging \
+             Face hub; without network use --config FILE, --model-dir DIR or --synthetic"
+        )
+    })
+}
+
+/// The config and where it came from.
+fn load_config(args: &Args) -> Result<(AnyConfig, String)> {
+    let from_file = |path: &Path| -> Result<(AnyConfig, String)> {
+        Ok((AnyConfig::from_file(path)?, path.display().to_string()))
+    };
+    if let Some(kind) = args.synthetic {
+        let config = AnyConfig::from_json_str(&kind.config_json().to_string())?;
+        return Ok((config, format!("synthetic:{kind}")));
+    }
+    if let Some(path) = &args.config {
+        return from_file(path);
+    }
+    if let Some(dir) = &args.model_dir {
+        return from_file(&dir.join("config.json"));
+    }
+    let id = args.model_id.as_deref().context("no model given")?;
+    let path = hub_config(id, args.revision.as_deref().unwrap_or("main"))?;
+    Ok((AnyConfig::from_file(path)?, id.to_string()))
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let (config, source) = load_config(&args)?;
+    let spec = config.spec()?;
+    let target = match args.device {
+        DeviceKind::Cuda => Target::Cuda,
+        DeviceKind::Cpu => Target::Cpu,
+    };
+    let options = PlanOptions {
+        target,
+        dtype: args.dtype.map_or(target.default_dtype(), |d| match d {
+            Dtype::F32 => DType::F32,
+            Dtype::Bf16 => DType::BF16,
+            Dtype::F16 => DType::F16,
+        }),
+        experts: match args.experts {
+            Experts::Int4 => ExpertStorage::Int4(GroupSize::new(args.group_size)?),
+            Experts::Bf16 => ExpertStorage::Dense(DType::BF16),
+            Experts::F32 => ExpertStorage::Dense(DType::F32),
+        },
+        ctx: args.ctx,
+        batch: args.batch,
+        prefill_chunk: args.prefill_chunk,
+        residency: args.resident.clone().unwrap_or_default(),
+        staging_buffers: args.staging_buffers,
+    };
+    let requested = Plan::new(&spec, &options)?;
+    let plan = match (args.vram_budget, &args.resident) {
+        (Some(budget), None) => {
+            let fit = requested.fit(
+                budget,
+                &FitOptions {
+                    weights: args.layer_weights.clone(),
+                    allow_ctx_reduction: args.allow_ctx_reduction,
+                    margin: args.margin,
+                },
+            )?;
+            if fit.ctx_reduced() {
+                println!(
+                    "note: context reduced from {} to {} to fit the budget",
+                    fit.requested_ctx,
+                    fit.plan.ctx()
+                );
+            }
+            fit.plan
+        }
+        (Some(budget), Some(_)) => {
+            requested.admit(budget, args.margin)?;
+            requested
+        }
+        (None, _) => requested,
+    };
+
+    println!("{source}: {}", plan.summary());
+    print!("{}", plan.table(args.vram_budget));
+    if let Some(budget) = args.vram_budget {
+        let margin = (budget as f64 * args.margin).ceil() as u64;
+        println!(
+            "fits {} (margin {}, headroom {} at the maximum)",
+            plan::format_bytes(budget),
+            plan::format_bytes(margin),
+            plan::format_bytes((budget - margin).saturating_sub(plan.total().max))
+        );
+    }
+    let moe = spec.moe_layers();
+    let resident: Vec<usize> = moe.iter().map(|&i| plan.resident_per_layer()[i]).collect();
+    println!("resident experts per MoE layer: {resident:?}");
+    for c in plan.host() {
+        println!(
+            "host {:<12} {} .. {}",
+            c.name,
+            plan::format_bytes(c.bytes.min),
+            plan::format_bytes(c.bytes.max)
+        );
+    }
+
+    if let Some(path) = &args.json {
+        let total = plan.total();
+        let report = json!({
+            "source": source,
+            "model_type": spec.model_type,
+            "device": target.name(),
+            "dtype": format!("{:?}", plan.options().dtype).to_lowercase(),
+            "experts": format!("{:?}", args.experts).to_lowercase(),
+            "group_size": (args.experts == Experts::Int4).then_some(args.group_size),
+            "ctx": plan.ctx(),
+            "requested_ctx": args.ctx.unwrap_or(spec.max_position_embeddings),
+            "batch": args.batch,
+            "prefill_chunk": args.prefill_chunk.min(plan.ctx()),
+            "budget_bytes": args.vram_budget,
+            "margin": args.vram_budget.map(|_| args.margin),
+            "components": plan.components(),
+            "total_min_bytes": total.min,
+            "total_max_bytes": total.max,
+            "moe_layers": moe,
+            "resident_per_layer": resident,
+            "host": plan.host(),
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
+            .with_context(|| format!("cannot write `{}`", path.display()))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,506 @@
+//! Memory plan and fit: every component of the tiny fixture configs against byte counts worked
+//! out by hand, the fit's choice and refusals, budget parsing, and the real models' configs.
+
+mod common;
+
+use candle::DType;
+use candle_qmoe::models::{AnyConfig, ModelConfig, ModelSpec};
+use candle_qmoe::pack::GroupSize;
+use candle_qmoe::plan::{
+    parse_bytes, ByteRange, ExpertStorage, FitOptions, Plan, PlanOptions, Target, EXPERT_CACHE,
+    KV_CACHE, NON_EXPERT_WEIGHTS, PACK_SOURCE, PROCESS_RSS, RUNTIME_OVERHEAD, STAGING, WORKSPACE,
+};
+use candle_qmoe::residency::Resident;
+use candle_qmoe::synthetic::SyntheticKind;
+use common::fixture_dir;
+
+const MIB: u64 = 1 << 20;
+
+fn spec(fixture: &str) -> ModelSpec {
+    AnyConfig::from_file(fixture_dir(fixture).join("config.json"))
+        .unwrap()
+        .spec()
+        .unwrap()
+}
+
+fn bytes(plan: &Plan, name: &str) -> ByteRange {
+    plan.component(name)
+        .unwrap_or_else(|| panic!("no component {name}"))
+}
+
+fn host(plan: &Plan, name: &str) -> ByteRange {
+    plan.host().iter().find(|c| c.name == name).unwrap().bytes
+}
+
+fn r(min: u64, max: u64) -> ByteRange {
+    ByteRange::new(min, max)
+}
+
+fn x(b: u64) -> ByteRange {
+    ByteRange::exact(b)
+}
+
+/// OLMoE tiny: vocab 512, H 256, 4 heads × 64 (q/k norm, no bias), 2 layers of 8 experts top-4
+/// with I 128, max positions 512.
+fn olmoe_cuda_options() -> PlanOptions {
+    PlanOptions {
+        ctx: Some(256),
+        prefill_chunk: 64,
+        residency: Resident::Uniform(6),
+        ..PlanOptions::new(Target::Cuda)
+    }
+}
+
+/// INT4 slab of OLMoE tiny, g128: gate/up [256, 256] → 256·256/2 = 32768 B, down [256, 128] →
+/// 256·128/2 = 16384 B, FP16 scales (256·2 + 256·1)·2 = 1536 B.
+const OLMOE_SLAB: u64 = 32768 + 16384 + 1536;
+
+#[test]
+fn olmoe_tiny_components_by_hand() {
+    let plan = Plan::new(&spec("olmoe-tiny"), &olmoe_cuda_options()).unwrap();
+    assert_eq!(OLMOE_SLAB, 50688);
+    let names: Vec<_> = plan.components().iter().map(|c| c.name).collect();
+    assert_eq!(
+        names,
+        [
+            NON_EXPERT_WEIGHTS,
+            EXPERT_CACHE,
+            KV_CACHE,
+            STAGING,
+            WORKSPACE,
+            RUNTIME_OVERHEAD
+        ]
+    );
+    // embed + lm_head 2·512·256 = 262144; final norm 256; per layer q,k,v 256·768 = 196608,
+    // o 65536, q/k norm 512, two norms 512, router 8·256 = 2048 → 265216, ×2 = 530432; RoPE
+    // cos+sin 512·64 = 32768. 825600 elements × 2 bytes (BF16).
+    assert_eq!(bytes(&plan, NON_EXPERT_WEIGHTS), x(825_600 * 2));
+    // 2 layers × 6 slots.
+    assert_eq!(bytes(&plan, EXPERT_CACHE), x(2 * 6 * OLMOE_SLAB));
+    // 2 layers × K,V × 4 heads × 64 × ctx 256 × batch 1 × 2 bytes.
+    assert_eq!(bytes(&plan, KV_CACHE), x(2 * 2 * 4 * 64 * 256 * 2));
+    assert_eq!(bytes(&plan, STAGING), x(2 * OLMOE_SLAB));
+    // 64 tokens: residual 2..4 × 64·256·2 = 65536..131072. Attention: q,k,v 64·12·64·2 = 98304
+    // (×2 at most), the previous KV of a layer 2·4·64·256·2 = 262144, mask 64·256·4 = 65536,
+    // scores 4·64·256 = 65536 elements × 10..16 bytes → 1081344..1572864. It dominates the MoE
+    // block (router 5120 + experts 98304..458752) and the logits (3072..196608).
+    assert_eq!(
+        bytes(&plan, WORKSPACE),
+        r(65_536 + 1_081_344, 131_072 + 1_572_864)
+    );
+    assert_eq!(bytes(&plan, RUNTIME_OVERHEAD), r(300 * MIB, 700 * MIB));
+    let total = plan.total();
+    let sum: u64 = 1_651_200 + 608_256 + 524_288 + 101_376;
+    assert_eq!(
+        total,
+        r(sum + 1_146_880 + 300 * MIB, sum + 1_703_936 + 700 * MIB)
+    );
+    // Host: all 16 experts' slabs, plus the pinned staging ring and the CUDA host baseline.
+    assert_eq!(host(&plan, PACK_SOURCE), x(16 * OLMOE_SLAB));
+    assert_eq!(
+        host(&plan, PROCESS_RSS),
+        r(
+            16 * OLMOE_SLAB + 2 * OLMOE_SLAB + 150 * MIB,
+            16 * OLMOE_SLAB + 2 * OLMOE_SLAB + 1024 * MIB
+        )
+    );
+    assert_eq!(plan.resident_per_layer(), [6, 6]);
+    assert_eq!(plan.ctx(), 256);
+}
+
+/// Qwen2-MoE tiny: vocab 512, H 256, 4 heads × 64 with q/k/v bias, 2 layers of 8 experts top-4
+/// with I 192 and a shared expert of 384, max positions 512.
+#[test]
+fn qwen2moe_tiny_components_by_hand_on_cpu() {
+    let opts = PlanOptions {
+        batch: 2,
+        prefill_chunk: 128,
+        ..PlanOptions::new(Target::Cpu)
+    };
+    let plan = Plan::new(&spec("qwen2moe-tiny"), &opts).unwrap();
+    // g128 with K = 192: two groups per down row, the second partial. gate/up [384, 256] →
+    // 49152 B, down [256, 192] → 24576 B, scales (384·2 + 256·2)·2 = 2560 B.
+    let slab: u64 = 49152 + 24576 + 2560;
+    let names: Vec<_> = plan.components().iter().map(|c| c.name).collect();
+    assert_eq!(
+        names,
+        [
+            NON_EXPERT_WEIGHTS,
+            PACK_SOURCE,
+            EXPERT_CACHE,
+            KV_CACHE,
+            STAGING,
+            WORKSPACE,
+            RUNTIME_OVERHEAD
+        ]
+    );
+    // embed + lm_head 262144; final norm 256; per layer q,k,v 196608 + bias 768, o 65536,
+    // norms 512, router 2048, shared expert 3·256·384 = 294912 + its gate 256 → 560640, ×2;
+    // RoPE 512·64 = 32768. 1416448 elements × 4 bytes (F32, the CPU default).
+    assert_eq!(bytes(&plan, NON_EXPERT_WEIGHTS), x(1_416_448 * 4));
+    // On the CPU the pack is host memory too; fully resident experts are read from it in place.
+    assert_eq!(bytes(&plan, PACK_SOURCE), x(16 * slab));
+    assert_eq!(bytes(&plan, EXPERT_CACHE), x(0));
+    // ctx defaults to max_position_embeddings = 512; batch 2.
+    assert_eq!(bytes(&plan, KV_CACHE), x(2 * 2 * 4 * 64 * 512 * 2 * 4));
+    assert_eq!(bytes(&plan, STAGING), x(0), "no staging at full residency");
+    // 2 × 128 tokens: residual 2..4 × 256·256·4; attention q,k,v 256·12·64·4 = 786432 (×2 at
+    // most), previous KV 2·2·4·64·512·4 = 2097152, mask 128·512·4 = 262144, scores
+    // 2·4·128·512 = 524288 elements × 12..20 bytes.
+    let attention = r(
+        786_432 + 2_097_152 + 262_144 + 524_288 * 12,
+        2 * 786_432 + 2_097_152 + 262_144 + 524_288 * 20,
+    );
+    assert_eq!(
+        bytes(&plan, WORKSPACE),
+        r(524_288 + attention.min, 1_048_576 + attention.max)
+    );
+    assert_eq!(bytes(&plan, RUNTIME_OVERHEAD), r(20 * MIB, 200 * MIB));
+    // Everything sums into the process RSS.
+    assert_eq!(host(&plan, PROCESS_RSS), plan.total());
+    assert_eq!(host(&plan, PACK_SOURCE), x(16 * slab));
+    assert_eq!(plan.resident_per_layer(), [8, 8]);
+    // With partial residency the slot arena and the staging ring come on top of the pack.
+    let partial = PlanOptions {
+        residency: Resident::Uniform(5),
+        ..opts
+    };
+    let plan = Plan::new(&spec("qwen2moe-tiny"), &partial).unwrap();
+    assert_eq!(bytes(&plan, PACK_SOURCE), x(16 * slab));
+    assert_eq!(bytes(&plan, EXPERT_CACHE), x(10 * slab));
+    assert_eq!(bytes(&plan, STAGING), x(2 * slab));
+    assert_eq!(host(&plan, PROCESS_RSS), plan.total());
+}
+
+#[test]
+fn dense_experts_use_dense_bytes() {
+    let opts = PlanOptions {
+        experts: ExpertStorage::Dense(DType::BF16),
+        ctx: Some(256),
+        ..PlanOptions::new(Target::Cuda)
+    };
+    let plan = Plan::new(&spec("olmoe-tiny"), &opts).unwrap();
+    // 2 layers × 8 experts × 3 · 256 · 128 × 2 bytes; no pack.
+    assert_eq!(bytes(&plan, EXPERT_CACHE), x(2 * 8 * 3 * 256 * 128 * 2));
+    assert_eq!(host(&plan, PACK_SOURCE), x(0));
+    let partial = PlanOptions {
+        residency: Resident::Uniform(6),
+        ..opts
+    };
+    let err = Plan::new(&spec("olmoe-tiny"), &partial).unwrap_err();
+    assert!(err.to_string().contains("INT4"), "{err}");
+}
+
+#[test]
+fn real_model_configs_match_synthetic_shapes() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/configs");
+    for (file, kind) in [
+        ("olmoe-1b-7b-0924.json", SyntheticKind::Olmoe),
+        ("qwen1.5-moe-a2.7b.json", SyntheticKind::Qwen2Moe),
+    ] {
+        let text = std::fs::read_to_string(dir.join(file)).unwrap();
+        let value: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(value, kind.config_json(), "{file}");
+    }
+}
+
+#[test]
+fn real_models_non_expert_weights_and_slabs() {
+    let opts = PlanOptions {
+        ctx: Some(4096),
+        ..PlanOptions::new(Target::Cuda)
+    };
+    let real = |kind: SyntheticKind| {
+        let cfg = AnyConfig::from_json_str(&kind.config_json().to_string()).unwrap();
+        Plan::new(&cfg.spec().unwrap(), &opts).unwrap()
+    };
+    let olmoe = real(SyntheticKind::Olmoe);
+    // 2·50304·2048 + 2048 + 16·(2048·6144 + 2048² + 4096 + 4096 + 64·2048) + 4096·128.
+    assert_eq!(bytes(&olmoe, NON_EXPERT_WEIGHTS), x(477_235_200 * 2));
+    assert_eq!(bytes(&olmoe, KV_CACHE), x(512 * MIB));
+    // gate/up 2048·2048/2, down 2048·1024/2, scales (2048·16 + 2048·8)·2.
+    let slab = 2_097_152 + 1_048_576 + 98_304;
+    assert_eq!(bytes(&olmoe, EXPERT_CACHE), x(16 * 64 * slab));
+    let qwen = real(SyntheticKind::Qwen2Moe);
+    // 2·151936·2048 + 2048 + 24·(2048·6144 + 6144 + 2048² + 4096 + 60·2048 + 3·2048·5632 +
+    // 2048) + 8192·128.
+    assert_eq!(bytes(&qwen, NON_EXPERT_WEIGHTS), x(1_859_749_888 * 2));
+    // gate/up 2816·2048/2, down 2048·1408/2, scales (2816·16 + 2048·11)·2.
+    let slab = 2_883_584 + 1_441_792 + 135_168;
+    assert_eq!(host(&qwen, PACK_SOURCE), x(24 * 60 * slab));
+}
+
+#[test]
+fn residency_is_checked() {
+    let s = spec("olmoe-tiny");
+    let with = |residency| PlanOptions {
+        residency,
+        ..olmoe_cuda_options()
+    };
+    for (bad, text) in [
+        (Resident::Uniform(3), "top-k"),
+        (Resident::Uniform(9), "top-k"),
+        (Resident::PerLayer(vec![4]), "lists 1 layers"),
+    ] {
+        let err = Plan::new(&s, &with(bad)).unwrap_err().to_string();
+        assert!(err.contains(text), "{err}");
+    }
+    let plan = Plan::new(&s, &with(Resident::PerLayer(vec![4, 8]))).unwrap();
+    assert_eq!(plan.resident_per_layer(), [4, 8]);
+    assert_eq!(bytes(&plan, EXPERT_CACHE), x(12 * OLMOE_SLAB));
+    let too_long = PlanOptions {
+        ctx: Some(513),
+        ..olmoe_cuda_options()
+    };
+    let err = Plan::new(&s, &too_long).unwrap_err().to_string();
+    assert!(err.contains("max_position_embeddings"), "{err}");
+    let no_staging = PlanOptions {
+        staging_buffers: 0,
+        ..olmoe_cuda_options()
+    };
+    assert!(Plan::new(&s, &no_staging).is_err());
+}
+
+#[test]
+fn budgets_parse() {
+    for (s, want) in [
+        ("6GiB", 6u64 << 30),
+        ("6gib", 6 << 30),
+        ("6000MB", 6_000_000_000),
+        ("6GB", 6_000_000_000),
+        ("512MiB", 512 << 20),
+        ("1.5GiB", 3 << 29),
+        ("1KB", 1000),
+        ("1KiB", 1024),
+        ("7B", 7),
+        ("6442450944", 6 << 30),
+        (" 4GiB ", 4 << 30),
+    ] {
+        assert_eq!(parse_bytes(s).unwrap(), want, "{s}");
+    }
+    for (s, why) in [
+        ("6 GB", "space"),
+        ("-1", "negative"),
+        ("lots", "number"),
+        ("", "empty"),
+        ("0", "greater than zero"),
+        ("0GiB", "greater than zero"),
+        ("6G", "unknown unit"),
+        ("1e9", "unknown unit"),
+        ("1.5", "whole"),
+        ("1.5B", "whole"),
+        (".5GiB", "number"),
+        ("6.GiB", "number"),
+        ("+5GiB", "number"),
+        ("99999999999TiB", "too large"),
+    ] {
+        let err = parse_bytes(s).unwrap_err().to_string();
+        assert!(
+            err.contains("invalid memory size") && err.contains(why),
+            "{s}: {err}"
+        );
+    }
+}
+
+/// The OLMoE tiny plan's maximum without the expert cache and staging, at ctx 256.
+fn olmoe_fixed_max() -> u64 {
+    1_651_200 + 524_288 + 1_703_936 + 700 * MIB
+}
+
+fn exact_fit() -> FitOptions {
+    FitOptions {
+        margin: 0.0,
+        ..Default::default()
+    }
+}
+
+fn reducing_ctx() -> FitOptions {
+    FitOptions {
+        allow_ctx_reduction: true,
+        ..exact_fit()
+    }
+}
+
+#[test]
+fn fit_picks_the_largest_capacity_that_fits() {
+    let plan = Plan::new(&spec("olmoe-tiny"), &olmoe_cuda_options()).unwrap();
+    let staged = olmoe_fixed_max() + 2 * OLMOE_SLAB;
+    // Top-k (4 per layer) plus 3 spare slots, one byte short of a fourth: round-robin.
+    let budget = staged + 11 * OLMOE_SLAB + OLMOE_SLAB - 1;
+    let fit = plan.fit(budget, &exact_fit()).unwrap();
+    assert_eq!(fit.plan.resident_per_layer(), [6, 5]);
+    assert!(fit.plan.total().max <= budget);
+    assert_eq!(fit.headroom(), OLMOE_SLAB - 1);
+    assert!(!fit.ctx_reduced());
+    // No layer can take one more slot.
+    for layer in 0..2 {
+        let mut more = fit.plan.resident_per_layer().to_vec();
+        more[layer] += 1;
+        let opts = PlanOptions {
+            residency: Resident::PerLayer(more),
+            ..olmoe_cuda_options()
+        };
+        let bigger = Plan::new(&spec("olmoe-tiny"), &opts).unwrap();
+        assert!(bigger.total().max > budget);
+    }
+    // Full residency needs no staging: it fits exactly at fixed + 16 slabs.
+    let full = plan
+        .fit(olmoe_fixed_max() + 16 * OLMOE_SLAB, &exact_fit())
+        .unwrap();
+    assert_eq!(full.plan.resident_per_layer(), [8, 8]);
+    assert_eq!(bytes(&full.plan, STAGING), x(0));
+    // One byte less: partial residency with the staging ring, 15 − 2 = 13 slots in all.
+    let partial = plan
+        .fit(olmoe_fixed_max() + 16 * OLMOE_SLAB - 1, &exact_fit())
+        .unwrap();
+    assert_eq!(partial.plan.resident_per_layer(), [7, 6]);
+    // The default margin holds 2% of the budget back.
+    let budget = 800 * MIB;
+    let fit = plan.fit(budget, &FitOptions::default()).unwrap();
+    assert_eq!(fit.margin_bytes, (budget as f64 * 0.02).ceil() as u64);
+    assert!(fit.plan.total().max + fit.margin_bytes <= budget);
+}
+
+#[test]
+fn fit_weights_layers() {
+    let plan = Plan::new(&spec("olmoe-tiny"), &olmoe_cuda_options()).unwrap();
+    let budget = olmoe_fixed_max() + 2 * OLMOE_SLAB + 10 * OLMOE_SLAB;
+    let with = |weights: Option<Vec<f64>>| {
+        let opts = FitOptions {
+            weights,
+            ..exact_fit()
+        };
+        plan.fit(budget, &opts)
+            .map(|f| f.plan.resident_per_layer().to_vec())
+    };
+    assert_eq!(with(None).unwrap(), [5, 5]);
+    assert_eq!(with(Some(vec![1.0, 1.0])).unwrap(), [5, 5]);
+    assert_eq!(with(Some(vec![3.0, 1.0])).unwrap(), [6, 4]);
+    assert_eq!(with(Some(vec![0.0, 5.0])).unwrap(), [4, 6]);
+    // A layer is never given more slots than it has experts.
+    let budget = olmoe_fixed_max() + 2 * OLMOE_SLAB + 13 * OLMOE_SLAB;
+    let opts = FitOptions {
+        weights: Some(vec![100.0, 1.0]),
+        ..exact_fit()
+    };
+    let fit = plan.fit(budget, &opts).unwrap();
+    assert_eq!(fit.plan.resident_per_layer(), [8, 5]);
+    for bad in [vec![1.0], vec![1.0, -1.0], vec![f64::NAN, 1.0]] {
+        assert!(with(Some(bad)).is_err());
+    }
+}
+
+#[test]
+fn fit_refuses_naming_the_component() {
+    let plan = Plan::new(&spec("olmoe-tiny"), &olmoe_cuda_options()).unwrap();
+    let minimal = olmoe_fixed_max() + 2 * OLMOE_SLAB + 8 * OLMOE_SLAB;
+    let fit = plan.fit(minimal, &exact_fit()).unwrap();
+    assert_eq!(fit.plan.resident_per_layer(), [4, 4]);
+    let refuse = |budget: u64| plan.fit(budget, &exact_fit()).unwrap_err().to_string();
+    let err = refuse(minimal - 1);
+    assert!(err.contains("`expert_cache` does not fit"), "{err}");
+    assert!(
+        err.contains("breakdown") && err.contains("what would fit"),
+        "{err}"
+    );
+    assert!(
+        err.contains("kv_cache") && err.contains("runtime_overhead"),
+        "{err}"
+    );
+    assert!(err.contains("--allow-ctx-reduction"), "{err}");
+    // Runtime and weights fit, the KV cache does not.
+    let err = refuse(700 * MIB + 1_651_200 + 1000);
+    assert!(err.contains("`kv_cache` does not fit"), "{err}");
+    // Not even the weights fit.
+    let err = refuse(700 * MIB + 1000);
+    assert!(err.contains("`non_expert_weights` does not fit"), "{err}");
+    assert!(err.contains("no context length fits"), "{err}");
+    // Admission of a given residency names the component too.
+    let err = plan.admit(minimal, 0.0).unwrap_err().to_string();
+    assert!(err.contains("`expert_cache` does not fit"), "{err}");
+    assert!(plan.admit(plan.total().max, 0.0).is_ok());
+    assert!(plan
+        .fit(
+            minimal,
+            &FitOptions {
+                margin: 1.0,
+                ..exact_fit()
+            }
+        )
+        .is_err());
+}
+
+#[test]
+fn fit_reduces_the_context_only_when_allowed() {
+    let plan = Plan::new(&spec("olmoe-tiny"), &olmoe_cuda_options()).unwrap();
+    let minimal = olmoe_fixed_max() + 2 * OLMOE_SLAB + 8 * OLMOE_SLAB;
+    let budget = minimal - 200_000;
+    let err = plan.fit(budget, &exact_fit()).unwrap_err().to_string();
+    assert!(
+        err.contains("does not fit") && err.contains("ctx ≤"),
+        "{err}"
+    );
+    let allow = reducing_ctx();
+    let fit = plan.fit(budget, &allow).unwrap();
+    assert!(fit.ctx_reduced());
+    assert_eq!(fit.requested_ctx, 256);
+    let ctx = fit.plan.ctx();
+    assert!(ctx < 256 && fit.plan.total().max <= budget, "ctx {ctx}");
+    assert_eq!(fit.plan.resident_per_layer(), [4, 4]);
+    // The largest such context: one more token does not fit.
+    let next = PlanOptions {
+        ctx: Some(ctx + 1),
+        residency: Resident::Uniform(4),
+        ..olmoe_cuda_options()
+    };
+    assert!(Plan::new(&spec("olmoe-tiny"), &next).unwrap().total().max > budget);
+    // A budget that fits at the requested context keeps it even when reduction is allowed.
+    assert!(!plan.fit(minimal, &allow).unwrap().ctx_reduced());
+}
+
+#[test]
+fn bad_configs_are_clear_errors() {
+    let mut cfg = SyntheticKind::Tiny.config_json();
+    cfg["model_type"] = "mixtral".into();
+    let err = AnyConfig::from_json_str(&cfg.to_string()).unwrap_err();
+    assert!(err.to_string().contains("not supported"), "{err}");
+    let mut cfg = SyntheticKind::Tiny.config_json();
+    cfg["num_key_value_heads"] = 3.into();
+    let err = AnyConfig::from_json_str(&cfg.to_string())
+        .and_then(|c| c.spec())
+        .unwrap_err();
+    assert!(err.to_string().contains("num_key_value_heads"), "{err}");
+}
+
+#[test]
+fn group_size_changes_the_slab() {
+    let s = spec("olmoe-tiny");
+    let g32 = PlanOptions {
+        experts: ExpertStorage::Int4(GroupSize::new(32).unwrap()),
+        ..olmoe_cuda_options()
+    };
+    let plan = Plan::new(&s, &g32).unwrap();
+    // Scales (256·8 + 256·4)·2 = 6144 bytes.
+    assert_eq!(
+        bytes(&plan, EXPERT_CACHE),
+        x(2 * 6 * (32768 + 16384 + 6144))
+    );
+}
+
+#[test]
+fn cpu_fit_is_full_residency_or_nothing() {
+    // On the CPU the pack is in memory anyway: a slot arena would only add to it.
+    let plan = Plan::new(&spec("qwen2moe-tiny"), &PlanOptions::new(Target::Cpu)).unwrap();
+    let full = plan.total().max;
+    let fit = plan.fit(full, &exact_fit()).unwrap();
+    assert_eq!(fit.plan.resident_per_layer(), [8, 8]);
+    let err = plan.fit(full - 1, &exact_fit()).unwrap_err().to_string();
+    assert!(
+        err.contains("does not fit") && err.contains("8 of 8 (all)"),
+        "{err}"
+    );
+    let allow = reducing_ctx();
+    let fit = plan.fit(full - 1, &allow).unwrap();
+    assert_eq!(fit.plan.resident_per_layer(), [8, 8]);
+    assert_eq!(fit.plan.ctx(), 511);
+}
