@@ -121,7 +121,11 @@ fn main() -> Result<()> {
         .encode(text.as_str(), template.is_none())
         .map_err(anyhow::Error::msg)?;
     let prompt = encoding.get_ids().to_vec();
-    let context = spec.max_position_embeddings;
+    let context = loaded
+        .context_limit
+        .map_or(spec.max_position_embeddings, |c| {
+            c.min(spec.max_position_embeddings)
+        });
     if prompt.len() >= context {
         bail!(
             "the prompt has {} tokens but the model's context is {context} tokens \

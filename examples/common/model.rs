@@ -7,9 +7,11 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device};
 use candle_qmoe::models::{
-    self, AnyConfig, ExpertsBackend, ExpertsLoader, MoeForCausalLm, PackedExperts, QuantizeOptions,
+    self, AnyConfig, ExpertsBackend, ExpertsLoader, FfnSpec, ModelConfig, MoeForCausalLm,
+    PackedExperts, QuantizeOptions,
 };
 use candle_qmoe::pack::{GroupSize, PackFile};
+use candle_qmoe::plan::{self, ExpertStorage, FitOptions, Plan, PlanOptions, Target};
 use candle_qmoe::residency::{
     HybridMode, PolicyKind, Residency, ResidencyOptions, ResidencyStats, Resident,
 };
@@ -91,15 +93,27 @@ pub struct ModelArgs {
     #[arg(long, value_parser = parse_resident)]
     pub resident: Option<Resident>,
     /// Eviction policy of the expert cache: lru, lfu or lfru.
-    #[arg(long, default_value = "lru", value_parser = parse_policy, requires = "resident")]
+    #[arg(long, default_value = "lru", value_parser = parse_policy)]
     pub policy: PolicyKind,
     /// Copy the next layer's likely experts while the current layer computes.
-    #[arg(long, requires = "resident")]
+    #[arg(long)]
     pub prefetch: bool,
     /// Missed experts: `off` copies them into the cache, `always` computes them on the CPU from
     /// the host pack, `auto` chooses by a cost model (link bandwidth vs CPU time).
-    #[arg(long, default_value = "off", value_parser = parse_hybrid, requires = "resident")]
+    #[arg(long, default_value = "off", value_parser = parse_hybrid)]
     pub hybrid: HybridMode,
+    /// Memory budget of the device (e.g. 6GiB, 6000MB, or bytes; on the CPU the RAM): the expert
+    /// cache gets the largest per-layer capacities that fit next to everything else (see the
+    /// `plan` example); refused before anything is loaded when even top-k experts per layer do
+    /// not fit. An alternative to --resident.
+    #[arg(long, value_parser = parse_budget, conflicts_with = "resident")]
+    pub vram_budget: Option<u64>,
+    /// Context (prompt + generated tokens) the budget must hold; default: the model's maximum.
+    #[arg(long, requires = "vram_budget")]
+    pub ctx: Option<usize>,
+    /// Let --vram-budget shorten the context when the model does not fit at the requested one.
+    #[arg(long, requires = "vram_budget")]
+    pub allow_ctx_reduction: bool,
 }
 
 fn parse_synthetic(s: &str) -> Result<SyntheticKind, String> {
@@ -116,6 +130,10 @@ fn parse_policy(s: &str) -> Result<PolicyKind, String> {
 
 fn parse_hybrid(s: &str) -> Result<HybridMode, String> {
     s.parse().map_err(|e: candle_qmoe::QmoeError| e.to_string())
+}
+
+fn parse_budget(s: &str) -> Result<u64, String> {
+    plan::parse_bytes(s).map_err(|e| e.to_string())
 }
 
 impl ModelArgs {
@@ -137,9 +155,12 @@ impl ModelArgs {
         })
     }
 
-    /// The residency profile, when `--resident` is given.
-    fn residency_options(&self) -> Result<Option<ResidencyOptions>> {
-        let Some(resident) = self.resident.clone() else {
+    /// The residency profile for `resident` experts per layer (`None`: no cache).
+    fn residency_options(&self, resident: Option<Resident>) -> Result<Option<ResidencyOptions>> {
+        let Some(resident) = resident else {
+            if self.prefetch || self.hybrid != HybridMode::Off || self.policy != PolicyKind::Lru {
+                bail!("--policy, --prefetch and --hybrid apply to an expert cache: add --resident N or --vram-budget");
+            }
             return Ok(None);
         };
         if self.experts != Experts::Int4 {
@@ -154,12 +175,88 @@ impl ModelArgs {
         }))
     }
 
+    /// The model's config, read without loading any weights.
+    fn config(&self) -> Result<AnyConfig> {
+        Ok(match self.synthetic {
+            Some(kind) => AnyConfig::from_json_str(&kind.config_json().to_string())?,
+            None => {
+                let ckpt = super::resolve_checkpoint(
+                    self.model_dir.as_deref(),
+                    &self.model_id,
+                    self.revision.as_deref(),
+                )?;
+                AnyConfig::from_file(ckpt.dir.join("config.json"))?
+            }
+        })
+    }
+
+    /// `--vram-budget`: fits the memory plan to the budget and returns the experts per layer to
+    /// keep resident (`None` when all fit: no cache needed) and the context limit, or refuses
+    /// with the plan's breakdown before anything is loaded.
+    fn fit_budget(
+        &self,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<(Option<Resident>, Option<usize>)> {
+        let Some(budget) = self.vram_budget else {
+            return Ok((self.resident.clone(), None));
+        };
+        let spec = self.config()?.spec()?;
+        let target = if device.is_cuda() {
+            Target::Cuda
+        } else {
+            Target::Cpu
+        };
+        let experts = match self.experts {
+            Experts::Int4 => ExpertStorage::Int4(GroupSize::new(self.group_size.unwrap_or(128))?),
+            Experts::Bf16 => ExpertStorage::Dense(DType::BF16),
+            Experts::F32 => ExpertStorage::Dense(DType::F32),
+        };
+        let options = PlanOptions {
+            dtype,
+            experts,
+            ctx: self.ctx,
+            ..PlanOptions::new(target)
+        };
+        let fit = Plan::new(&spec, &options)?
+            .fit(
+                budget,
+                &FitOptions {
+                    allow_ctx_reduction: self.allow_ctx_reduction,
+                    ..Default::default()
+                },
+            )
+            .with_context(|| format!("--vram-budget {}", plan::format_bytes(budget)))?;
+        println!(
+            "memory plan for {}: {}",
+            plan::format_bytes(budget),
+            fit.plan.summary()
+        );
+        print!("{}", fit.plan.table(Some(budget)));
+        if fit.ctx_reduced() {
+            println!(
+                "note: context reduced from {} to {} tokens to fit the budget",
+                fit.requested_ctx,
+                fit.plan.ctx()
+            );
+        }
+        let all = spec.moe_layers().iter().all(|&l| match &spec.layers[l] {
+            FfnSpec::Moe(m) => fit.plan.resident_per_layer()[l] >= m.num_experts,
+            FfnSpec::Dense { .. } => true,
+        });
+        let resident = (!all).then(|| Resident::PerLayer(fit.plan.resident_per_layer().to_vec()));
+        Ok((resident, Some(fit.plan.ctx())))
+    }
+
     /// Builds the model (synthetic or from a checkpoint) on `device`.
     pub fn load(&self, dtype: DType, device: &Device) -> Result<Loaded> {
+        let (resident, context_limit) = self.fit_budget(dtype, device)?;
+        let residency = self.residency_options(resident)?;
         let mut loaded = match self.synthetic {
-            Some(kind) => load_synthetic(self, kind, dtype, device)?,
-            None => load_checkpoint(self, dtype, device)?,
+            Some(kind) => load_synthetic(self, kind, residency, dtype, device)?,
+            None => load_checkpoint(self, residency, dtype, device)?,
         };
+        loaded.context_limit = context_limit;
         if self.prefetch {
             loaded.model.enable_prefetch();
         }
@@ -167,12 +264,12 @@ impl ModelArgs {
     }
 }
 
-/// Applies the residency profile of `args` (if any) to INT4 experts from a pack.
-fn with_residency(args: &ModelArgs, experts: PackedExperts) -> Result<PackedExperts> {
-    Ok(match args.residency_options()? {
+/// Applies a residency profile (if any) to INT4 experts from a pack.
+fn with_residency(residency: Option<ResidencyOptions>, experts: PackedExperts) -> PackedExperts {
+    match residency {
         Some(opts) => experts.with_residency(opts),
         None => experts,
-    })
+    }
 }
 
 /// The residency figures of a run for a JSON evidence file (`null`s without a cache).
@@ -272,8 +369,10 @@ pub struct Loaded {
     pub eos: Vec<u32>,
     /// Group size of the INT4 experts.
     pub group_size: Option<usize>,
-    /// The expert cache, when `--resident` is given.
+    /// The expert cache, when `--resident` or `--vram-budget` asks for one.
     pub residency: Option<Arc<Residency>>,
+    /// The context `--vram-budget` was fitted to (generation must stay within it).
+    pub context_limit: Option<usize>,
 }
 
 /// The `eos_token_id` (a number or a list) of a config JSON.
@@ -300,6 +399,7 @@ fn group_size(args: &ModelArgs) -> Result<GroupSize> {
 fn load_synthetic(
     args: &ModelArgs,
     kind: SyntheticKind,
+    residency: Option<ResidencyOptions>,
     dtype: DType,
     device: &Device,
 ) -> Result<Loaded> {
@@ -312,7 +412,7 @@ fn load_synthetic(
     let group = group_size(args)?;
     let synth = SyntheticModel::new(kind, args.synthetic_seed, group)?;
     let experts = match args.experts {
-        Experts::Int4 => with_residency(args, synth.int4_experts())?,
+        Experts::Int4 => with_residency(residency, synth.int4_experts()),
         Experts::Bf16 | Experts::F32 => {
             let dt = if args.experts == Experts::Bf16 {
                 DType::BF16
@@ -349,6 +449,7 @@ fn load_synthetic(
         eos: eos_ids(&kind.config_json()),
         group_size: (args.experts == Experts::Int4).then_some(group.get()),
         residency: experts.residency().cloned(),
+        context_limit: None,
     })
 }
 
@@ -386,20 +487,26 @@ fn int4_pack(args: &ModelArgs, ckpt: &super::Checkpoint) -> Result<PackFile> {
     Ok(pack)
 }
 
-fn load_checkpoint(args: &ModelArgs, dtype: DType, device: &Device) -> Result<Loaded> {
+fn load_checkpoint(
+    args: &ModelArgs,
+    residency: Option<ResidencyOptions>,
+    dtype: DType,
+    device: &Device,
+) -> Result<Loaded> {
     let ckpt = super::resolve_checkpoint(
         args.model_dir.as_deref(),
         &args.model_id,
         args.revision.as_deref(),
     )?;
     let config = AnyConfig::from_file(ckpt.dir.join("config.json"))?;
-    let mut residency = None;
+    let mut cache = None;
     let (experts, group): (Box<dyn ExpertsLoader>, _) = match args.experts {
         Experts::Int4 => {
             let pack = Arc::new(int4_pack(args, &ckpt)?);
             let group = pack.meta().layout.group_size.get();
-            let experts = with_residency(args, PackedExperts::for_checkpoint(pack, &ckpt.dir)?)?;
-            residency = experts.residency().cloned();
+            let experts =
+                with_residency(residency, PackedExperts::for_checkpoint(pack, &ckpt.dir)?);
+            cache = experts.residency().cloned();
             (Box::new(experts), Some(group))
         }
         Experts::Bf16 | Experts::F32 if args.pack.is_some() => {
@@ -432,6 +539,7 @@ fn load_checkpoint(args: &ModelArgs, dtype: DType, device: &Device) -> Result<Lo
         revision: ckpt.revision,
         eos,
         group_size: group,
-        residency,
+        residency: cache,
+        context_limit: None,
     })
 }
