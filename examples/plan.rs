@@ -14,40 +14,21 @@
 //! that fit are chosen; with both, the given residency is checked against the budget. A budget
 //! that cannot fit is refused with the component that does not fit and what would fit.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use candle::DType;
 use candle_qmoe::models::{AnyConfig, ModelConfig};
-use candle_qmoe::pack::GroupSize;
 use candle_qmoe::plan::{
-    self, ExpertStorage, FitOptions, Plan, PlanOptions, Target, DEFAULT_MARGIN,
-    DEFAULT_PREFILL_CHUNK, DEFAULT_STAGING_BUFFERS,
+    self, FitOptions, Plan, PlanOptions, Target, DEFAULT_MARGIN, DEFAULT_PREFILL_CHUNK,
+    DEFAULT_STAGING_BUFFERS,
 };
 use candle_qmoe::residency::Resident;
 use candle_qmoe::synthetic::SyntheticKind;
 use clap::{ArgGroup, Parser, ValueEnum};
+use common::model::{parse_arg, parse_budget, Dtype, Experts};
 use serde_json::json;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Experts {
-    /// INT4 weights with FP16 group scales (partial residency possible).
-    Int4,
-    /// Dense BF16 experts, all resident.
-    Bf16,
-    /// Dense F32 experts, all resident.
-    F32,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Dtype {
-    /// 32-bit floats (the CPU default).
-    F32,
-    /// bfloat16 (the GPU default).
-    Bf16,
-    /// IEEE half precision.
-    F16,
-}
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum DeviceKind {
@@ -76,7 +57,7 @@ struct Args {
     #[arg(long, requires = "model_id")]
     revision: Option<String>,
     /// The config of a synthetic model: tiny, olmoe or qwen2moe.
-    #[arg(long, value_parser = parse_synthetic)]
+    #[arg(long, value_parser = parse_arg::<SyntheticKind>)]
     synthetic: Option<SyntheticKind>,
     /// How the routed experts are stored.
     #[arg(long, value_enum, default_value = "int4")]
@@ -95,7 +76,7 @@ struct Args {
     prefill_chunk: usize,
     /// Resident experts per MoE layer: `all`, a number, or one number per layer
     /// (comma-separated). With --vram-budget it is checked against the budget instead of fitted.
-    #[arg(long, value_parser = parse_residency)]
+    #[arg(long, value_parser = parse_arg::<Resident>)]
     resident: Option<Resident>,
     /// Staging buffers of one expert each.
     #[arg(long, default_value_t = DEFAULT_STAGING_BUFFERS)]
@@ -124,18 +105,6 @@ struct Args {
     /// Write the plan to this JSON file.
     #[arg(long)]
     json: Option<PathBuf>,
-}
-
-fn parse_synthetic(s: &str) -> Result<SyntheticKind, String> {
-    s.parse().map_err(|e: candle_qmoe::QmoeError| e.to_string())
-}
-
-fn parse_residency(s: &str) -> Result<Resident, String> {
-    s.parse().map_err(|e: candle_qmoe::QmoeError| e.to_string())
-}
-
-fn parse_budget(s: &str) -> Result<u64, String> {
-    plan::parse_bytes(s).map_err(|e| e.to_string())
 }
 
 /// Only `config.json` of a hub model.
@@ -181,16 +150,8 @@ fn main() -> Result<()> {
     };
     let options = PlanOptions {
         target,
-        dtype: args.dtype.map_or(target.default_dtype(), |d| match d {
-            Dtype::F32 => DType::F32,
-            Dtype::Bf16 => DType::BF16,
-            Dtype::F16 => DType::F16,
-        }),
-        experts: match args.experts {
-            Experts::Int4 => ExpertStorage::Int4(GroupSize::new(args.group_size)?),
-            Experts::Bf16 => ExpertStorage::Dense(DType::BF16),
-            Experts::F32 => ExpertStorage::Dense(DType::F32),
-        },
+        dtype: args.dtype.map_or(target.default_dtype(), Dtype::dtype),
+        experts: args.experts.storage(Some(args.group_size))?,
         ctx: args.ctx,
         batch: args.batch,
         prefill_chunk: args.prefill_chunk,

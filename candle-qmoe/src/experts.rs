@@ -332,7 +332,7 @@ impl RoutedExperts for Int4Experts {
 }
 
 /// The contiguous elements of a CPU storage, or an error naming `what`.
-pub(crate) fn contiguous_slice<'a, T: candle::WithDType>(
+fn contiguous_slice<'a, T: candle::WithDType>(
     s: &'a CpuStorage,
     l: &Layout,
     what: &str,
@@ -341,6 +341,21 @@ pub(crate) fn contiguous_slice<'a, T: candle::WithDType>(
         Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
         None => candle::bail!("int4 routed experts: {what} must be contiguous"),
     }
+}
+
+/// The CPU inputs of a routed call as slices — `xs [T, H]` F32, `weights [T, k]` F32 — and the
+/// routing `expert_ids [T, k]` (U32) grouped by expert.
+pub(crate) fn routed_inputs<'a>(
+    xs: (&'a CpuStorage, &Layout),
+    expert_ids: (&CpuStorage, &Layout),
+    weights: (&'a CpuStorage, &Layout),
+    num_experts: usize,
+) -> candle::Result<(&'a [f32], &'a [f32], RoutePlan)> {
+    let x = contiguous_slice::<f32>(xs.0, xs.1, "xs")?;
+    let ids = contiguous_slice::<u32>(expert_ids.0, expert_ids.1, "expert_ids")?;
+    let w = contiguous_slice::<f32>(weights.0, weights.1, "weights")?;
+    let (_, k) = expert_ids.1.shape().dims2()?;
+    Ok((x, w, RoutePlan::new(ids, k, num_experts)?))
 }
 
 impl CustomOp3 for Int4Experts {
@@ -357,12 +372,7 @@ impl CustomOp3 for Int4Experts {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle::Result<(CpuStorage, Shape)> {
-        let xs = contiguous_slice::<f32>(s1, l1, "xs")?;
-        let ids = contiguous_slice::<u32>(s2, l2, "expert_ids")?;
-        let w = contiguous_slice::<f32>(s3, l3, "weights")?;
-        let (tokens, k) = l2.shape().dims2()?;
-        let plan = RoutePlan::new(ids, k, self.pack.num_experts())?;
-        debug_assert_eq!(plan.tokens, tokens);
+        let (xs, w, plan) = routed_inputs((s1, l1), (s2, l2), (s3, l3), self.pack.num_experts())?;
         let out = cpu::routed_forward(
             self.isa,
             self.pack.layout(),

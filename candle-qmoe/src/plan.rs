@@ -728,10 +728,10 @@ impl Plan {
     pub fn table(&self, budget: Option<u64>) -> String {
         let share = |bytes: u64| {
             budget.map_or(String::new(), |b| {
-                format!("{:>7.1}%", 100.0 * bytes as f64 / b as f64)
+                format!(" {:>7.1}%", 100.0 * bytes as f64 / b as f64)
             })
         };
-        let header = if budget.is_some() { "   share" } else { "" };
+        let header = if budget.is_some() { "    share" } else { "" };
         let mut out = format!("{:<20} {:>12} {:>12}{header}\n", "component", "min", "max");
         let total = Component {
             name: "total",

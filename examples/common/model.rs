@@ -63,7 +63,7 @@ pub struct ModelArgs {
     #[arg(long, conflicts_with = "synthetic")]
     pub model_dir: Option<PathBuf>,
     /// Offline model with random weights and real shapes: tiny, olmoe or qwen2moe.
-    #[arg(long, value_parser = parse_synthetic)]
+    #[arg(long, value_parser = parse_arg::<SyntheticKind>)]
     pub synthetic: Option<SyntheticKind>,
     /// Seed of the synthetic model's weights.
     #[arg(long, default_value_t = 42, requires = "synthetic")]
@@ -90,17 +90,17 @@ pub struct ModelArgs {
     /// INT4 experts kept resident per MoE layer: `all`, a number, or one number per layer
     /// (comma-separated). Without it every expert is resident and no cache runs. On the CPU the
     /// cache lives in host memory, so residency can be exercised and measured anywhere.
-    #[arg(long, value_parser = parse_resident)]
+    #[arg(long, value_parser = parse_arg::<Resident>)]
     pub resident: Option<Resident>,
     /// Eviction policy of the expert cache: lru, lfu or lfru.
-    #[arg(long, default_value = "lru", value_parser = parse_policy)]
+    #[arg(long, default_value = "lru", value_parser = parse_arg::<PolicyKind>)]
     pub policy: PolicyKind,
     /// Copy the next layer's likely experts while the current layer computes.
     #[arg(long)]
     pub prefetch: bool,
     /// Missed experts: `off` copies them into the cache, `always` computes them on the CPU from
     /// the host pack, `auto` chooses by a cost model (link bandwidth vs CPU time).
-    #[arg(long, default_value = "off", value_parser = parse_hybrid)]
+    #[arg(long, default_value = "off", value_parser = parse_arg::<HybridMode>)]
     pub hybrid: HybridMode,
     /// Memory budget of the device (e.g. 6GiB, 6000MB, or bytes; on the CPU the RAM): the expert
     /// cache gets the largest per-layer capacities that fit next to everything else (see the
@@ -116,24 +116,25 @@ pub struct ModelArgs {
     pub allow_ctx_reduction: bool,
 }
 
-fn parse_synthetic(s: &str) -> Result<SyntheticKind, String> {
+/// A clap value parser for any of the library's `FromStr` types (residency, policy, …).
+pub fn parse_arg<T: std::str::FromStr<Err = candle_qmoe::QmoeError>>(s: &str) -> Result<T, String> {
     s.parse().map_err(|e: candle_qmoe::QmoeError| e.to_string())
 }
 
-fn parse_resident(s: &str) -> Result<Resident, String> {
-    s.parse().map_err(|e: candle_qmoe::QmoeError| e.to_string())
-}
-
-fn parse_policy(s: &str) -> Result<PolicyKind, String> {
-    s.parse().map_err(|e: candle_qmoe::QmoeError| e.to_string())
-}
-
-fn parse_hybrid(s: &str) -> Result<HybridMode, String> {
-    s.parse().map_err(|e: candle_qmoe::QmoeError| e.to_string())
-}
-
-fn parse_budget(s: &str) -> Result<u64, String> {
+/// A clap value parser for memory sizes (`6GiB`, `6000MB`, bytes).
+pub fn parse_budget(s: &str) -> Result<u64, String> {
     plan::parse_bytes(s).map_err(|e| e.to_string())
+}
+
+impl Experts {
+    /// How the plan stores these experts (`group_size` for INT4, default 128).
+    pub fn storage(self, group_size: Option<usize>) -> Result<ExpertStorage> {
+        Ok(match self {
+            Self::Int4 => ExpertStorage::Int4(GroupSize::new(group_size.unwrap_or(128))?),
+            Self::Bf16 => ExpertStorage::Dense(DType::BF16),
+            Self::F32 => ExpertStorage::Dense(DType::F32),
+        })
+    }
 }
 
 impl ModelArgs {
@@ -207,14 +208,9 @@ impl ModelArgs {
         } else {
             Target::Cpu
         };
-        let experts = match self.experts {
-            Experts::Int4 => ExpertStorage::Int4(GroupSize::new(self.group_size.unwrap_or(128))?),
-            Experts::Bf16 => ExpertStorage::Dense(DType::BF16),
-            Experts::F32 => ExpertStorage::Dense(DType::F32),
-        };
         let options = PlanOptions {
             dtype,
-            experts,
+            experts: self.experts.storage(self.group_size)?,
             ctx: self.ctx,
             ..PlanOptions::new(target)
         };

@@ -10,7 +10,7 @@ use super::device::{HostMemory, MemoryBackend};
 use super::stats::ResidencyStats;
 use super::store::{ExpertStore, StagingRing};
 use super::ResidencyOptions;
-use crate::experts::{check_call, contiguous_slice};
+use crate::experts::{check_call, routed_inputs};
 use crate::kernels::{cpu, RoutePlan};
 use crate::pack::LayerPack;
 use crate::{QmoeError, RoutedExperts};
@@ -177,11 +177,7 @@ impl CustomOp3 for ResidentExperts {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle::Result<(CpuStorage, Shape)> {
-        let xs = contiguous_slice::<f32>(s1, l1, "xs")?;
-        let ids = contiguous_slice::<u32>(s2, l2, "expert_ids")?;
-        let w = contiguous_slice::<f32>(s3, l3, "weights")?;
-        let (_, k) = l2.shape().dims2()?;
-        let plan = RoutePlan::new(ids, k, self.num_experts)?;
+        let (xs, w, plan) = routed_inputs((s1, l1), (s2, l2), (s3, l3), self.num_experts)?;
         let mut store = self.store();
         let routed: Vec<usize> = plan.experts().collect();
         let on_cpu = store.begin_step(&routed, self.hybrid.misses_on_cpu(&self.cost));
