@@ -212,6 +212,8 @@ fn main() -> Result<()> {
         let total = plan.total();
         let report = json!({
             "source": source,
+            "commit": common::git_commit(),
+            "command": std::env::args().collect::<Vec<_>>().join(" "),
             "model_type": spec.model_type,
             "device": target.name(),
             "dtype": format!("{:?}", plan.options().dtype).to_lowercase(),
