@@ -349,7 +349,7 @@ fn main() {
             .with_ignored_flag(ignored),
         );
     }
-    let resident = [1usize, 4, 40]
+    let resident = [1usize, 4, 12, 40]
         .into_iter()
         .flat_map(|t| [4usize, 9, 16].map(move |c| (t, c, HybridMode::Off)))
         .chain([(4, 4, HybridMode::Always), (1, 9, HybridMode::Auto)]);

@@ -91,6 +91,7 @@ pub struct ExpertStore<B: MemoryBackend> {
     policy: Box<dyn EvictionPolicy>,
     tick: u64,
     prefetched: Vec<bool>,
+    unpublished: Vec<B::Event>,
     stats: ResidencyStats,
 }
 
@@ -147,6 +148,7 @@ impl<B: MemoryBackend> ExpertStore<B> {
             policy: policy.build(e),
             tick: 0,
             prefetched: vec![false; e],
+            unpublished: Vec::new(),
             stats: ResidencyStats::default(),
         };
         let initial: Vec<usize> = (0..capacity).collect();
@@ -174,7 +176,8 @@ impl<B: MemoryBackend> ExpertStore<B> {
     pub fn arena(&self) -> &B::Arena {
         &self.arena
     }
-    /// The published expert → slot table.
+    /// The expert → slot table of the last step (a prefetch's additions included; kernels see
+    /// them once the next step publishes it).
     pub fn table(&self) -> &[u32] {
         &self.table
     }
@@ -322,8 +325,15 @@ impl<B: MemoryBackend> ExpertStore<B> {
                 }
             }
         }
-        if outcome.is_ok() && !targets.is_empty() {
-            outcome = self.backend.publish(&mut self.arena, &pending, &copies);
+        // A prefetch's copies overlap the current layer's compute: their table is published
+        // with this layer's next step, so the compute stream does not wait for them now.
+        self.unpublished.extend(copies);
+        let publish_now =
+            kind != Copy::Prefetch && (!targets.is_empty() || !self.unpublished.is_empty());
+        if outcome.is_ok() && publish_now {
+            outcome = self
+                .backend
+                .publish(&mut self.arena, &pending, &self.unpublished);
         }
         if kind != Copy::Preload {
             self.stats.stall_s += start.elapsed().as_secs_f64();
@@ -333,6 +343,9 @@ impl<B: MemoryBackend> ExpertStore<B> {
                 if !targets.is_empty() {
                     self.table = pending;
                     self.owner = owner;
+                }
+                if publish_now {
+                    self.unpublished.clear();
                     self.stats.generations += 1;
                 }
                 Ok(())
@@ -344,8 +357,8 @@ impl<B: MemoryBackend> ExpertStore<B> {
         }
     }
 
-    /// After a failed step: keeps the published table minus the experts whose slots a copy may
-    /// have overwritten, and publishes that (it needs no copies).
+    /// After a failed step: keeps the last table minus the experts whose slots a copy may have
+    /// overwritten, and publishes that (after any deferred prefetch copies).
     fn abandon(&mut self, targets: &[usize]) {
         for &slot in targets {
             if let Some(old) = self.owner[slot].take() {
@@ -356,12 +369,13 @@ impl<B: MemoryBackend> ExpertStore<B> {
         for (e, p) in self.prefetched.iter_mut().enumerate() {
             *p &= self.table[e] != NOT_RESIDENT;
         }
-        if !targets.is_empty()
+        if (!targets.is_empty() || !self.unpublished.is_empty())
             && self
                 .backend
-                .publish(&mut self.arena, &self.table, &[])
+                .publish(&mut self.arena, &self.table, &self.unpublished)
                 .is_ok()
         {
+            self.unpublished.clear();
             self.stats.generations += 1;
         }
     }
