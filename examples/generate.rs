@@ -28,7 +28,7 @@ use candle_qmoe::generation::{generate, Generation};
 use candle_qmoe::pack::GroupSize;
 use candle_transformers::generation::LogitsProcessor;
 use clap::Parser;
-use common::model::{Loaded, ModelArgs, Template};
+use common::model::{Loaded, ModelArgs};
 use serde_json::json;
 
 #[derive(Parser, Debug)]
@@ -113,23 +113,13 @@ fn main() -> Result<()> {
         load_time.as_secs_f64()
     );
 
-    let template = Template::for_family(&spec.model_type)
-        .filter(|_| !args.no_chat && (args.chat || loaded.instruct));
-    let text = template.map_or_else(|| args.prompt.clone(), |t| t.apply(&args.prompt));
-    let encoding = loaded
-        .tokenizer
-        .encode(text.as_str(), template.is_none())
-        .map_err(anyhow::Error::msg)?;
-    let prompt = encoding.get_ids().to_vec();
-    let context = loaded
-        .context_limit
-        .map_or(spec.max_position_embeddings, |c| {
-            c.min(spec.max_position_embeddings)
-        });
+    let template = loaded.template(args.no_chat, args.chat);
+    let prompt = loaded.encode(&args.prompt, template)?;
+    let context = loaded.context();
     if prompt.len() >= context {
         bail!(
             "the prompt has {} tokens but the model's context is {context} tokens \
-             (max_position_embeddings): no room to generate",
+             (max_position_embeddings, or what --vram-budget fitted): no room to generate",
             prompt.len()
         );
     }
@@ -137,10 +127,7 @@ fn main() -> Result<()> {
     if max_new < args.sample_len {
         eprintln!("note: the context holds only {max_new} more tokens after the prompt");
     }
-    let mut eos = loaded.eos.clone();
-    for tok in template.map_or(&[][..], |t| t.stop_tokens()) {
-        eos.extend(loaded.tokenizer.token_to_id(tok));
-    }
+    let eos = loaded.stop_ids(template);
 
     println!("{}", args.prompt);
     let mut logits_processor = LogitsProcessor::new(args.seed, args.temperature, args.top_p);

@@ -1,9 +1,11 @@
 //! Helpers shared by the examples: finding a checkpoint (local folder
 //! or Hugging Face hub), the bundled offline tokenizers, the quantization progress bar, and
-//! memory figures, and the device/commit recorded in evidence files.
+//! memory figures, and the device/commit recorded in evidence files; building a model from the
+//! command line ([`model`]) and the PERF-REAL benchmark contract ([`perf`]).
 #![allow(dead_code)]
 
 pub mod model;
+pub mod perf;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -157,6 +159,12 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
+/// Resets the peak resident set size (`VmHWM`) to the current RSS, so that
+/// [`peak_rss_bytes`] measures from now on; `false` where the kernel does not allow it.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
 /// Memory the kernel reports as available (`MemAvailable`), in bytes.
 pub fn available_memory_bytes() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -180,6 +188,15 @@ pub fn cpu_model() -> Option<String> {
     let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
     let line = info.lines().find(|l| l.starts_with("model name"))?;
     Some(line.split(':').nth(1)?.trim().to_string())
+}
+
+/// The NVIDIA kernel driver version (from `/proc/driver/nvidia/version`), or `null`.
+pub fn nvidia_driver_version() -> Option<String> {
+    let info = std::fs::read_to_string("/proc/driver/nvidia/version").ok()?;
+    let line = info.lines().find(|l| l.starts_with("NVRM version:"))?;
+    line.split_whitespace()
+        .find(|w| w.chars().next().is_some_and(|c| c.is_ascii_digit()) && w.contains('.'))
+        .map(str::to_string)
 }
 
 /// The current git commit (with `-dirty` when the tree has changes), or `null`.

@@ -371,6 +371,45 @@ pub struct Loaded {
     pub context_limit: Option<usize>,
 }
 
+impl Loaded {
+    /// The chat template to apply: the family's for Instruct/Chat (and synthetic) models or when
+    /// `force`d, none when `raw`.
+    pub fn template(&self, raw: bool, force: bool) -> Option<Template> {
+        Template::for_family(&self.model.spec().model_type)
+            .filter(|_| !raw && (force || self.instruct))
+    }
+
+    /// `prompt` wrapped in `template` and tokenized (the tokenizer's special tokens are added
+    /// only without a template, which brings its own).
+    pub fn encode(&self, prompt: &str, template: Option<Template>) -> Result<Vec<u32>> {
+        let text = template.map_or_else(|| prompt.to_string(), |t| t.apply(prompt));
+        Ok(self
+            .tokenizer
+            .encode(text.as_str(), template.is_none())
+            .map_err(anyhow::Error::msg)?
+            .get_ids()
+            .to_vec())
+    }
+
+    /// The ids that end an answer: the configs' `eos_token_id`s and `template`'s stop tokens,
+    /// sorted and deduplicated.
+    pub fn stop_ids(&self, template: Option<Template>) -> Vec<u32> {
+        let mut ids = self.eos.clone();
+        for tok in template.map_or(&[][..], |t| t.stop_tokens()) {
+            ids.extend(self.tokenizer.token_to_id(tok));
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
+    /// The context generation must fit: the model's, or the shorter one `--vram-budget` fitted.
+    pub fn context(&self) -> usize {
+        let max = self.model.spec().max_position_embeddings;
+        self.context_limit.map_or(max, |c| c.min(max))
+    }
+}
+
 /// The `eos_token_id` (a number or a list) of a config JSON.
 fn eos_ids(config: &serde_json::Value) -> Vec<u32> {
     match &config["eos_token_id"] {
