@@ -261,7 +261,11 @@ fn run_resident(
         let got = as_f32(cached.forward(&x, &ids, &w)?)?;
         match hybrid {
             HybridMode::Off => {
-                if got.iter().zip(&want).any(|(a, b)| a.to_bits() != b.to_bits()) {
+                if got
+                    .iter()
+                    .zip(&want)
+                    .any(|(a, b)| a.to_bits() != b.to_bits())
+                {
                     return Err(format!(
                         "step {step}: output differs from full residency (rel err {:.2e})",
                         rel_err(&got, &want)
@@ -280,7 +284,11 @@ fn run_resident(
     let s = res.stats();
     let slab = layout.slab_bytes() as u64;
     if hybrid == HybridMode::Off && s.h2d_bytes != (s.misses) * slab {
-        return Err(format!("h2d {} bytes for {} misses of {slab}", s.h2d_bytes, s.misses).into());
+        return Err(format!(
+            "h2d {} bytes for {} misses of {slab}",
+            s.h2d_bytes, s.misses
+        )
+        .into());
     }
     if capacity < experts && s.misses == 0 {
         return Err("no misses at a capacity below the expert count".into());

@@ -155,21 +155,25 @@ fn qwen2moe_tiny_components_by_hand_on_cpu() {
         bytes(&plan, WORKSPACE),
         r(524_288 + attention.min, 1_048_576 + attention.max)
     );
-    assert_eq!(bytes(&plan, RUNTIME_OVERHEAD), r(20 * MIB, 200 * MIB));
+    assert_eq!(bytes(&plan, RUNTIME_OVERHEAD), r(2 * MIB, 200 * MIB));
     // Everything sums into the process RSS.
     assert_eq!(host(&plan, PROCESS_RSS), plan.total());
     assert_eq!(host(&plan, PACK_SOURCE), x(16 * slab));
     assert_eq!(plan.resident_per_layer(), [8, 8]);
-    // With partial residency the slot arena and the staging ring come on top of the pack.
-    let partial = PlanOptions {
-        residency: Resident::Uniform(5),
-        ..opts
-    };
-    let plan = Plan::new(&spec("qwen2moe-tiny"), &partial).unwrap();
-    assert_eq!(bytes(&plan, PACK_SOURCE), x(16 * slab));
-    assert_eq!(bytes(&plan, EXPERT_CACHE), x(10 * slab));
-    assert_eq!(bytes(&plan, STAGING), x(2 * slab));
-    assert_eq!(host(&plan, PROCESS_RSS), plan.total());
+    // With a cache the slot arena and the staging ring come on top of the pack: with partial
+    // residency, and with an explicit count of every expert (a runtime residency of `all`).
+    for slots in [5, 8] {
+        let cached = PlanOptions {
+            residency: Resident::Uniform(slots),
+            ..opts
+        };
+        let plan = Plan::new(&spec("qwen2moe-tiny"), &cached).unwrap();
+        assert_eq!(bytes(&plan, PACK_SOURCE), x(16 * slab));
+        assert_eq!(bytes(&plan, EXPERT_CACHE), x(2 * slots as u64 * slab));
+        assert_eq!(bytes(&plan, STAGING), x(2 * slab));
+        assert_eq!(host(&plan, PROCESS_RSS), plan.total());
+        assert_eq!(plan.resident_per_layer(), [slots, slots]);
+    }
 }
 
 #[test]

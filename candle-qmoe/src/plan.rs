@@ -8,16 +8,22 @@
 //! |---|---|
 //! | `non_expert_weights` | embeddings, `lm_head` (unless tied), attention, norms, routers, shared experts, dense MLPs and the RoPE tables, in the compute dtype |
 //! | `pack_source` | CPU only: the complete INT4 pack in host memory (on a GPU it is a host figure) |
-//! | `expert_cache` | Σ over MoE layers of resident slots × bytes of one expert (INT4 slab or dense); on the CPU 0 for fully resident INT4 experts, which are computed from the pack in place |
+//! | `expert_cache` | Σ over MoE layers of resident slots × bytes of one expert (INT4 slab or dense); on the CPU 0 for INT4 experts at [`Resident::All`], which are computed from the pack in place (no cache runs) |
 //! | `kv_cache` | layers × 2 × KV heads × head dim × context × batch × dtype bytes |
-//! | `staging` | the ring of staging buffers (one expert each) shared by all layers; 0 at full residency |
+//! | `staging` | the ring of staging buffers (one expert each) shared by all layers; 0 without a cache and, on a GPU, at full residency |
 //! | `workspace` | activations of one forward pass at the prefill chunk size (attention scores, MLP intermediates, logits) |
 //! | `runtime_overhead` | CUDA context and allocator slack, or on the CPU the process baseline |
 //!
 //! On [`Target::Cuda`] the components are device memory and [`Plan::host`] gives the host side
 //! (the pack source and the process RSS). On [`Target::Cpu`] the "device" is host memory: every
-//! component, the pack included, sums into the process RSS (with partial residency, the host
-//! implementation keeps its slot arena in ordinary memory in addition to the pack).
+//! component, the pack included, sums into the process RSS. There [`Resident::All`] means no
+//! expert cache, as the runtime runs without a residency profile; an explicit count
+//! ([`Resident::Uniform`], [`Resident::PerLayer`]) means a host-memory cache, whose slot arena
+//! and staging ring come on top of the pack even when it holds every expert (as a runtime
+//! residency of `all` does).
+//!
+//! The CPU figures are calibrated against the peak RSS of the synthetic models
+//! (`bench/calibrate-cpu.sh`, `bench/results/calibration-cpu.jsonl`, `tests/calibration.rs`).
 //!
 //! [`Plan::fit`] picks the largest per-layer expert capacities whose maximum total fits a budget
 //! (optionally weighted per layer, e.g. by recorded misses; optionally reducing the context), or
@@ -205,10 +211,12 @@ impl Target {
     }
 
     /// Memory the runtime takes besides the model. CUDA: context, cuBLAS handles and allocator
-    /// slack in device memory. CPU: the process baseline (binary, tokenizer, allocator slack).
+    /// slack in device memory. CPU: the process baseline: from the binary and its libraries
+    /// alone (about 3 MiB measured) up to a tokenizer, allocator slack and, with a host-memory
+    /// expert cache, the one-off probe of the copy bandwidth (two 32 MiB buffers).
     pub fn runtime_overhead(self) -> ByteRange {
         match self {
-            Self::Cpu => ByteRange::new(20 * MIB, 200 * MIB),
+            Self::Cpu => ByteRange::new(2 * MIB, 200 * MIB),
             Self::Cuda => ByteRange::new(300 * MIB, 700 * MIB),
         }
     }
@@ -273,7 +281,8 @@ pub struct PlanOptions {
     /// Resident experts per MoE layer, as the runtime takes them ([`Plan::fit`] chooses its
     /// own). Unlike the runtime, the plan refuses counts above a layer's expert count.
     pub residency: Resident,
-    /// Staging buffers of one expert each, shared by all layers (used unless fully resident).
+    /// Staging buffers of one expert each, shared by all layers (used with partial residency,
+    /// and on the CPU with any expert cache).
     pub staging_buffers: usize,
 }
 
@@ -516,9 +525,10 @@ impl Plan {
                 .expert_bytes(spec.hidden_size, m.intermediate_size)
         };
         let full = moe.iter().all(|&(i, m)| resident[i] == m.num_experts);
-        // On the CPU fully resident INT4 experts are computed from the pack in place.
-        let in_place =
-            full && o.target == Target::Cpu && matches!(o.experts, ExpertStorage::Int4(_));
+        let int4 = matches!(o.experts, ExpertStorage::Int4(_));
+        // On the CPU, INT4 experts at `Resident::All` are computed from the pack in place; an
+        // explicit count runs a host-memory cache, even one of every expert.
+        let in_place = int4 && o.target == Target::Cpu && o.residency == Resident::All;
         let expert_cache = match in_place {
             true => 0,
             false => moe
@@ -526,7 +536,10 @@ impl Plan {
                 .map(|&(i, m)| (resident[i] as u64).saturating_mul(expert(m)))
                 .fold(0, u64::saturating_add),
         };
-        let staging = if full {
+        // The runtime creates the staging ring with the cache; the plan counts it where the cache
+        // misses, and on the CPU wherever a cache runs.
+        let staged = int4 && !in_place && (!full || o.target == Target::Cpu);
+        let staging = if !staged {
             0
         } else {
             let largest = moe.iter().map(|&(_, m)| expert(m)).max().unwrap_or(0);

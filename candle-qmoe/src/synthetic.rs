@@ -385,7 +385,7 @@ enum Init {
 /// Standard deviation of the synthetic token embeddings. Embeddings as small as the other
 /// weights are drowned by the first layers' outputs: every position then carries the same state
 /// and a 16-layer model repeats one token with near-constant routing. With unit-scale embeddings
-/// (and residual-scaled output projections, see [`non_expert_tensors`]) each token keeps its
+/// (and residual-scaled output projections, see `non_expert_tensors`) each token keeps its
 /// identity, and the routing spreads over all experts as in a real model.
 pub const EMBEDDING_STD: f32 = 1.0;
 

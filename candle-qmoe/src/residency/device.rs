@@ -315,13 +315,13 @@ impl MemoryBackend for HostMemory {
     }
 }
 
-/// The host's `memcpy` bandwidth in bytes per second (best of three 32 MiB copies, measured
+/// The host's `memcpy` bandwidth in bytes per second (best of three 8 MiB copies, measured
 /// once per process): the link of [`HostMemory`] and a proxy of how fast the CPU kernel streams
 /// a slab.
 pub fn host_copy_bytes_per_s() -> f64 {
     static BW: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
     *BW.get_or_init(|| {
-        let src = vec![1u8; 32 << 20];
+        let src = vec![1u8; 8 << 20];
         let mut dst = vec![0u8; src.len()];
         let mut best = f64::MAX;
         for _ in 0..3 {

@@ -1,0 +1,70 @@
+//! The memory plan against the measured peak RSS on the CPU: the synthetic tiny model at two
+//! configurations, each run in a fresh process (this test binary re-executed with
+//! `QMOE_CALIBRATION_CHILD` set), so that the peak RSS (`VmHWM`) covers that run alone. The
+//! runs and predictions are those of the `calibrate` example (`examples/calibration`).
+
+#[path = "../examples/calibration/mod.rs"]
+mod calibration;
+#[path = "../examples/common/mod.rs"]
+mod common;
+
+use std::process::Command;
+
+use calibration::{Cache, Config};
+use candle_qmoe::synthetic::SyntheticKind;
+
+/// Set in a child process to the configuration it runs ([`Config`]'s text form).
+const CHILD_ENV: &str = "QMOE_CALIBRATION_CHILD";
+/// Marks the child's output line with the measured peak RSS in bytes.
+const MARK: &str = "QMOE_CALIBRATION_PEAK_RSS_BYTES=";
+/// The test that runs in the child.
+const CHILD_TEST: &str = "calibration_child";
+
+/// The child: runs the configuration of [`CHILD_ENV`] and prints its peak RSS on a marked line;
+/// a no-op without the variable (a normal test run).
+#[test]
+fn calibration_child() {
+    let Ok(config) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let config: Config = config.parse().unwrap();
+    let measured = config.run().unwrap();
+    println!("{config}: {measured}");
+    println!("{MARK}{}", measured.peak_rss_bytes);
+}
+
+/// The peak RSS of `config` run by [`calibration_child`] in a fresh process.
+fn measured_in_child(config: &Config) -> u64 {
+    let exe = std::env::current_exe().unwrap();
+    let out = Command::new(exe)
+        .env(CHILD_ENV, config.to_string())
+        .args(["--exact", CHILD_TEST, "--nocapture", "--test-threads", "1"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "child run of {config} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix(MARK))
+        .unwrap_or_else(|| panic!("no `{MARK}` line in the child's output:\n{stdout}"));
+    line.trim().parse().unwrap()
+}
+
+#[test]
+fn cpu_peak_rss_is_inside_the_plan() {
+    for (cache, ctx) in [(Cache::None, 64), (Cache::Slots(2), 256)] {
+        let config = Config::new(SyntheticKind::Tiny, cache, ctx, 4).unwrap();
+        let rss = calibration::process_rss(&config.plan().unwrap()).unwrap();
+        let peak = measured_in_child(&config);
+        assert!(
+            calibration::inside(rss, peak),
+            "{config}: measured peak RSS {peak} bytes outside the predicted [{}, {}]",
+            rss.min,
+            rss.max
+        );
+    }
+}
