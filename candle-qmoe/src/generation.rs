@@ -1,7 +1,8 @@
 //! A plain generation loop over [`MoeForCausalLm`] with the timings of DESIGN.md §3.3.
 //!
-//! The prompt goes through the model in one call (prefill), then one token per call with the KV
-//! cache. Sampling is the caller's (e.g. `candle_transformers::generation::LogitsProcessor`), so
+//! The prompt goes through the model in chunks of at most [`PREFILL_CHUNK`] tokens (prefill, so
+//! the activations of a long prompt stay bounded, as [`crate::plan`] assumes), then one token per
+//! call with the KV cache. Sampling is the caller's (e.g. `candle_transformers::generation::LogitsProcessor`), so
 //! the loop serves greedy parity checks and sampled chat alike.
 
 use std::time::{Duration, Instant};
@@ -10,6 +11,28 @@ use candle::Tensor;
 
 use crate::models::MoeForCausalLm;
 use crate::QmoeError;
+
+/// Most prompt tokens per forward pass during prefill.
+pub const PREFILL_CHUNK: usize = 512;
+
+/// Runs `prompt` through the model in chunks of at most `chunk` tokens after the tokens already
+/// in its KV cache, and returns the last position's logits (`[vocab]`, F32).
+pub fn prefill(model: &mut MoeForCausalLm, prompt: &[u32], chunk: usize) -> candle::Result<Tensor> {
+    if prompt.is_empty() || chunk == 0 {
+        return Err(QmoeError::Config(format!(
+            "prefill of {} tokens in chunks of {chunk}",
+            prompt.len()
+        ))
+        .into());
+    }
+    let device = model.device().clone();
+    let mut logits = None;
+    for part in prompt.chunks(chunk) {
+        let input = Tensor::new(part, &device)?.unsqueeze(0)?;
+        logits = Some(model.forward(&input, model.cached_len())?.squeeze(0)?);
+    }
+    logits.ok_or_else(|| candle::Error::Msg("empty prefill".into()))
+}
 
 /// Why generation stopped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -83,12 +106,17 @@ pub fn generate(
     let mut all = prompt.to_vec();
     let start = Instant::now();
     let mut first_token_at = None;
-    let mut input = Tensor::new(prompt, &device)?.unsqueeze(0)?;
+    if max_new_tokens == 0 {
+        return Ok(Generation {
+            prompt_tokens: prompt.len(),
+            tokens: Vec::new(),
+            stop: StopReason::MaxTokens,
+            time_to_first_token: Duration::ZERO,
+            decode_time: Duration::ZERO,
+        });
+    }
+    let mut logits = prefill(model, prompt, PREFILL_CHUNK)?;
     let stop = loop {
-        if all.len() - prompt.len() == max_new_tokens {
-            break StopReason::MaxTokens;
-        }
-        let logits = model.forward(&input, model.cached_len())?.squeeze(0)?;
         let next = sample(&logits, &all)?;
         first_token_at.get_or_insert_with(Instant::now);
         all.push(next);
@@ -99,7 +127,11 @@ pub fn generate(
         if all.len() >= context {
             break StopReason::ContextFull;
         }
-        input = Tensor::new(&[next], &device)?.unsqueeze(0)?;
+        if all.len() - prompt.len() == max_new_tokens {
+            break StopReason::MaxTokens;
+        }
+        let input = Tensor::new(&[next], &device)?.unsqueeze(0)?;
+        logits = model.forward(&input, model.cached_len())?.squeeze(0)?;
     };
     let end = Instant::now();
     let first = first_token_at.unwrap_or(end);

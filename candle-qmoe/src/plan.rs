@@ -84,8 +84,9 @@ const FIT_ORDER: [&str; 7] = [
     EXPERT_CACHE,
 ];
 
-/// Default tokens per prefill chunk (the workspace is sized for one chunk).
-pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+/// Default tokens per prefill chunk (the workspace is sized for one chunk): what
+/// [`crate::generation::generate`] uses.
+pub const DEFAULT_PREFILL_CHUNK: usize = crate::generation::PREFILL_CHUNK;
 /// Default number of staging buffers.
 pub const DEFAULT_STAGING_BUFFERS: usize = 2;
 /// Default fraction of the budget [`Plan::fit`] holds back on top of every range's maximum.

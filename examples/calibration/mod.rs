@@ -18,8 +18,8 @@ use candle_qmoe::generation::{argmax, generate};
 use candle_qmoe::models::{AnyConfig, ModelConfig};
 use candle_qmoe::pack::GroupSize;
 use candle_qmoe::plan::{
-    format_bytes, ByteRange, ExpertStorage, Plan, PlanOptions, Target, DEFAULT_STAGING_BUFFERS,
-    PROCESS_RSS,
+    format_bytes, ByteRange, ExpertStorage, Plan, PlanOptions, Target, DEFAULT_PREFILL_CHUNK,
+    DEFAULT_STAGING_BUFFERS, PROCESS_RSS,
 };
 use candle_qmoe::residency::{ResidencyOptions, Resident};
 use candle_qmoe::synthetic::{SyntheticKind, SyntheticModel};
@@ -126,7 +126,7 @@ impl Config {
     }
 
     /// The plan of this configuration on the CPU: F32 compute, INT4 experts in groups of 128,
-    /// batch 1, the whole prompt as one prefill chunk, and the cache's residency with the
+    /// batch 1, prefill in the chunks `generate` uses, and the cache's residency with the
     /// runtime's default staging ring (no cache: full residency).
     pub fn plan(&self) -> Result<Plan> {
         let spec = AnyConfig::from_json_str(&self.kind.config_json().to_string())?.spec()?;
@@ -135,7 +135,7 @@ impl Config {
             experts: ExpertStorage::Int4(GroupSize::default()),
             ctx: Some(self.ctx),
             batch: 1,
-            prefill_chunk: self.prompt_len(),
+            prefill_chunk: self.prompt_len().min(DEFAULT_PREFILL_CHUNK),
             residency: self.cache.planned(spec.uniform_moe()?.num_experts),
             staging_buffers: DEFAULT_STAGING_BUFFERS,
             ..PlanOptions::new(Target::Cpu)
