@@ -82,18 +82,18 @@ fn olmoe_tiny_components_by_hand() {
     assert_eq!(bytes(&plan, STAGING), x(2 * OLMOE_SLAB));
     // 64 tokens: residual 2..4 × 64·256·2 = 65536..131072. Attention: q,k,v 64·12·64·2 = 98304
     // (×2 at most), the previous KV of a layer 2·4·64·256·2 = 262144, mask 64·256·4 = 65536,
-    // scores 4·64·256 = 65536 elements × 10..16 bytes → 1081344..1572864. It dominates the MoE
+    // scores 4·64·256 = 65536 elements × 6..16 bytes → 819200..1572864. It dominates the MoE
     // block (router 5120 + experts 98304..458752) and the logits (3072..196608).
     assert_eq!(
         bytes(&plan, WORKSPACE),
-        r(65_536 + 1_081_344, 131_072 + 1_572_864)
+        r(65_536 + 819_200, 131_072 + 1_572_864)
     );
     assert_eq!(bytes(&plan, RUNTIME_OVERHEAD), r(300 * MIB, 700 * MIB));
     let total = plan.total();
     let sum: u64 = 1_651_200 + 608_256 + 524_288 + 101_376;
     assert_eq!(
         total,
-        r(sum + 1_146_880 + 300 * MIB, sum + 1_703_936 + 700 * MIB)
+        r(sum + 884_736 + 300 * MIB, sum + 1_703_936 + 700 * MIB)
     );
     // Host: all 16 experts' slabs, plus the pinned staging ring and the CUDA host baseline.
     assert_eq!(host(&plan, PACK_SOURCE), x(16 * OLMOE_SLAB));
@@ -146,9 +146,9 @@ fn qwen2moe_tiny_components_by_hand_on_cpu() {
     assert_eq!(bytes(&plan, STAGING), x(0), "no staging at full residency");
     // 2 × 128 tokens: residual 2..4 × 256·256·4; attention q,k,v 256·12·64·4 = 786432 (×2 at
     // most), previous KV 2·2·4·64·512·4 = 2097152, mask 128·512·4 = 262144, scores
-    // 2·4·128·512 = 524288 elements × 12..20 bytes.
+    // 2·4·128·512 = 524288 elements × 8..20 bytes.
     let attention = r(
-        786_432 + 2_097_152 + 262_144 + 524_288 * 12,
+        786_432 + 2_097_152 + 262_144 + 524_288 * 8,
         2 * 786_432 + 2_097_152 + 262_144 + 524_288 * 20,
     );
     assert_eq!(

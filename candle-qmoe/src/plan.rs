@@ -434,8 +434,8 @@ fn workspace(spec: &ModelSpec, opts: &PlanOptions, ctx: usize) -> ByteRange {
 
     // q, k, v (and their rotated, contiguous copies); the previous KV cache of a layer while
     // the longer one is concatenated; K/V repeated to every query head under GQA; the scores
-    // (matmul in the dtype, F32 scaled, masked and softmax copies, probabilities in the dtype);
-    // the F32 causal mask.
+    // (at least the softmax's F32 input next to the probabilities in the dtype; at most also
+    // the matmul result and the scaled and masked copies); the F32 causal mask.
     let (nh, nkv, hd) = (spec.num_heads, spec.num_kv_heads, spec.head_dim);
     let qkv = product(&[n, nh + 2 * nkv, hd, dt]);
     let kv_grow = product(&[b, 2, nkv, hd, ctx, dt]);
@@ -448,7 +448,7 @@ fn workspace(spec: &ModelSpec, opts: &PlanOptions, ctx: usize) -> ByteRange {
     let mask = product(&[chunk, ctx, 4]);
     let fixed = kv_grow + repeat + mask;
     let attention = ByteRange::new(
-        qkv + fixed + scores * (8 + dt as u64),
+        qkv + fixed + scores * (4 + dt as u64),
         2 * qkv + fixed + scores * (12 + 2 * dt as u64),
     );
 
