@@ -324,11 +324,22 @@ impl RoutedExperts for Int4Experts {
             let (x, ids, w) = cuda::kernel_inputs(xs, expert_ids, weights)?;
             return x.apply_op3_no_bwd(&ids, &w, self)?.to_dtype(xs.dtype());
         }
-        let x = xs.to_dtype(DType::F32)?.contiguous()?;
-        let ids = expert_ids.to_dtype(DType::U32)?.contiguous()?;
-        let w = weights.to_dtype(DType::F32)?.contiguous()?;
-        x.apply_op3_no_bwd(&ids, &w, self)?.to_dtype(xs.dtype())
+        apply_cpu_op(self, xs, expert_ids, weights)
     }
+}
+
+/// Runs a CPU routed-experts op on `xs` (as F32), `expert_ids` (U32) and `weights` (F32), all
+/// made contiguous; the result has the dtype of `xs`.
+pub(crate) fn apply_cpu_op(
+    op: &impl CustomOp3,
+    xs: &Tensor,
+    expert_ids: &Tensor,
+    weights: &Tensor,
+) -> candle::Result<Tensor> {
+    let x = xs.to_dtype(DType::F32)?.contiguous()?;
+    let ids = expert_ids.to_dtype(DType::U32)?.contiguous()?;
+    let w = weights.to_dtype(DType::F32)?.contiguous()?;
+    x.apply_op3_no_bwd(&ids, &w, op)?.to_dtype(xs.dtype())
 }
 
 /// The contiguous elements of a CPU storage, or an error naming `what`.

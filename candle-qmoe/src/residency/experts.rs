@@ -4,13 +4,13 @@
 use std::str::FromStr;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use candle::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+use candle::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 
 use super::device::{HostMemory, MemoryBackend};
 use super::stats::ResidencyStats;
 use super::store::{ExpertStore, StagingRing};
 use super::ResidencyOptions;
-use crate::experts::{check_call, routed_inputs};
+use crate::experts::{apply_cpu_op, check_call, routed_inputs};
 use crate::kernels::{cpu, RoutePlan};
 use crate::pack::LayerPack;
 use crate::{QmoeError, RoutedExperts};
@@ -150,10 +150,7 @@ impl RoutedExperts for ResidentExperts {
                 xs.device()
             );
         }
-        let x = xs.to_dtype(DType::F32)?.contiguous()?;
-        let ids = expert_ids.to_dtype(DType::U32)?.contiguous()?;
-        let w = weights.to_dtype(DType::F32)?.contiguous()?;
-        x.apply_op3_no_bwd(&ids, &w, self)?.to_dtype(xs.dtype())
+        apply_cpu_op(self, xs, expert_ids, weights)
     }
     fn prefetch(&self, expert_ids: &[u32]) -> candle::Result<()> {
         self.store().prefetch(expert_ids)
