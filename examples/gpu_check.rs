@@ -659,31 +659,19 @@ fn main() -> Result<()> {
                 });
             };
             let n = rt.ids.len();
-            if tokens <= 16 {
-                let st = timer.time(10, runs, |i| {
+            // Our kernels on one path, cycling through the routings.
+            let time_path = |warmup: usize, path: CudaPath| {
+                timer.time(warmup, runs, |i| {
                     let j = i % n;
-                    experts.forward_tensors(
-                        &rt.x_bf16[j],
-                        &rt.ids[j],
-                        &rt.w[j],
-                        CudaPath::Decode,
-                        false,
-                    )?;
+                    experts.forward_tensors(&rt.x_bf16[j], &rt.ids[j], &rt.w[j], path, false)?;
                     Ok(())
-                });
+                })
+            };
+            if tokens <= 16 {
+                let st = time_path(10, CudaPath::Decode);
                 record("qmoe_int4_decode", moved(slab), st, "bf16 act, g128");
             }
-            let st = timer.time(5, runs, |i| {
-                let j = i % n;
-                experts.forward_tensors(
-                    &rt.x_bf16[j],
-                    &rt.ids[j],
-                    &rt.w[j],
-                    CudaPath::Prefill,
-                    false,
-                )?;
-                Ok(())
-            });
+            let st = time_path(5, CudaPath::Prefill);
             record("qmoe_int4_prefill", moved(slab), st, "bf16 act, g128");
             if let Some(b) = &base {
                 let prefill = tokens > 16;

@@ -10,8 +10,8 @@ use candle_qmoe::residency::ResidencyStats;
 use clap::Parser;
 use excommon::model::ModelArgs;
 use excommon::perf::{
-    decode_rate, plot_sweep, relative_spread, rfc3339_utc, run_campaign, stats_delta,
-    suppression_mask, Contract, Metrics, Response, SweepPoint, DECODE_LABEL, H2D_LABEL, X_LABEL,
+    decode_rate, plot_sweep, relative_spread, rfc3339_utc, run_campaign, suppression_mask,
+    Contract, Metrics, Response, SweepPoint, DECODE_LABEL, H2D_LABEL, X_LABEL,
 };
 
 fn response(
@@ -89,7 +89,7 @@ fn stats_delta_counts_what_happened_in_between() {
         generations: 7,
         ..Default::default()
     };
-    let d = stats_delta(&after, &before);
+    let d = after.since(&before);
     assert_eq!((d.hits, d.misses, d.h2d_bytes), (20, 5, 2500));
     assert_eq!((d.preload_bytes, d.generations, d.stall_s), (0, 7, 0.75));
 }

@@ -205,25 +205,6 @@ impl Metrics {
     }
 }
 
-/// The counters of `after` less those of `before` (what happened in between).
-pub fn stats_delta(after: &ResidencyStats, before: &ResidencyStats) -> ResidencyStats {
-    ResidencyStats {
-        hits: after.hits.saturating_sub(before.hits),
-        misses: after.misses.saturating_sub(before.misses),
-        evictions: after.evictions.saturating_sub(before.evictions),
-        h2d_bytes: after.h2d_bytes.saturating_sub(before.h2d_bytes),
-        preload_bytes: after.preload_bytes.saturating_sub(before.preload_bytes),
-        prefetch_issued: after.prefetch_issued.saturating_sub(before.prefetch_issued),
-        prefetch_used: after.prefetch_used.saturating_sub(before.prefetch_used),
-        prefetch_wasted: after.prefetch_wasted.saturating_sub(before.prefetch_wasted),
-        hybrid_cpu_experts: after
-            .hybrid_cpu_experts
-            .saturating_sub(before.hybrid_cpu_experts),
-        stall_s: (after.stall_s - before.stall_s).max(0.0),
-        generations: after.generations.saturating_sub(before.generations),
-    }
-}
-
 /// An additive logits mask over `vocab` ids: `-inf` at `suppressed` ids (those outside the
 /// vocabulary are ignored), 0 elsewhere.
 pub fn suppression_mask(vocab: usize, suppressed: &[u32]) -> Vec<f32> {
@@ -344,7 +325,7 @@ pub fn run_campaign(
         .residency
         .as_ref()
         .zip(before)
-        .map(|(r, before)| stats_delta(&r.stats(), &before));
+        .map(|(r, before)| r.stats().since(&before));
     Ok(Campaign {
         responses,
         residency,

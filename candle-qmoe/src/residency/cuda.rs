@@ -225,7 +225,6 @@ impl MemoryBackend for CudaMemory {
 pub struct CudaResidentExperts {
     store: Mutex<ExpertStore<CudaMemory>>,
     hybrid: HybridMode,
-    cost: CostModel,
     isa: cpu::CpuIsa,
     hidden: usize,
     num_experts: usize,
@@ -234,17 +233,11 @@ pub struct CudaResidentExperts {
 impl CudaResidentExperts {
     /// Wraps a store; `hybrid` decides what happens to misses.
     pub fn new(store: ExpertStore<CudaMemory>, hybrid: HybridMode) -> Self {
-        let cost = CostModel {
-            link: store.backend().link_bytes_per_s(),
-            cpu: host_copy_bytes_per_s(),
-            device: store.backend().device_bytes_per_s(),
-        };
         Self {
             hidden: store.layout().hidden,
             num_experts: store.num_experts(),
             store: Mutex::new(store),
             hybrid,
-            cost,
             isa: cpu::CpuIsa::detect(),
         }
     }
@@ -308,7 +301,13 @@ impl RoutedExperts for CudaResidentExperts {
         let plan = RoutePlan::new(&ids_host, k, self.num_experts)?;
         let routed: Vec<usize> = plan.experts().collect();
         let mut store = self.store();
-        let on_cpu = store.begin_step(&routed, self.hybrid.misses_on_cpu(&self.cost));
+        // Bandwidths are measured once per backend, on the first `Auto` decision.
+        let misses_on_cpu = self.hybrid.misses_on_cpu(|| CostModel {
+            link: store.backend().link_bytes_per_s(),
+            cpu: host_copy_bytes_per_s(),
+            device: store.backend().device_bytes_per_s(),
+        });
+        let on_cpu = store.begin_step(&routed, misses_on_cpu);
         let any_cpu = on_cpu.iter().any(|&c| c);
         // Experts computed on the CPU become out-of-range ids, which the kernels skip.
         let gpu_ids: Vec<u32> = ids_host

@@ -46,11 +46,12 @@ impl FromStr for HybridMode {
 }
 
 impl HybridMode {
-    /// Whether this step's misses are computed on the CPU under `cost`.
-    pub fn misses_on_cpu(self, cost: &CostModel) -> bool {
+    /// Whether this step's misses are computed on the CPU; `cost` (which may measure
+    /// bandwidths the first time) is only consulted in `Auto` mode.
+    pub fn misses_on_cpu(self, cost: impl FnOnce() -> CostModel) -> bool {
         match self {
             Self::Off => false,
-            Self::Auto => cost.prefers_cpu(),
+            Self::Auto => cost().prefers_cpu(),
             Self::Always => true,
         }
     }
@@ -86,7 +87,6 @@ pub struct ResidentExperts {
     store: Mutex<ExpertStore<HostMemory>>,
     isa: cpu::CpuIsa,
     hybrid: HybridMode,
-    cost: CostModel,
     hidden: usize,
     num_experts: usize,
 }
@@ -103,19 +103,12 @@ impl std::fmt::Debug for ResidentExperts {
 impl ResidentExperts {
     /// Wraps a store; `hybrid` decides what happens to misses.
     pub fn new(store: ExpertStore<HostMemory>, hybrid: HybridMode) -> Self {
-        let link = store.backend().link_bytes_per_s();
-        let layout = store.layout();
         Self {
-            hidden: layout.hidden,
+            hidden: store.layout().hidden,
             num_experts: store.num_experts(),
             store: Mutex::new(store),
             isa: cpu::CpuIsa::detect(),
             hybrid,
-            cost: CostModel {
-                link,
-                cpu: link,
-                device: link,
-            },
         }
     }
 
@@ -177,7 +170,16 @@ impl CustomOp3 for ResidentExperts {
         let (xs, w, plan) = routed_inputs((s1, l1), (s2, l2), (s3, l3), self.num_experts)?;
         let mut store = self.store();
         let routed: Vec<usize> = plan.experts().collect();
-        let on_cpu = store.begin_step(&routed, self.hybrid.misses_on_cpu(&self.cost));
+        // The device is the CPU itself: copying a miss only adds work.
+        let misses_on_cpu = self.hybrid.misses_on_cpu(|| {
+            let link = store.backend().link_bytes_per_s();
+            CostModel {
+                link,
+                cpu: link,
+                device: link,
+            }
+        });
+        let on_cpu = store.begin_step(&routed, misses_on_cpu);
         // Rounds of ascending experts with at most `capacity` of them from the cache.
         let mut out = vec![0f32; xs.len()];
         let mut round: Vec<(usize, Vec<usize>)> = Vec::new();
@@ -223,7 +225,7 @@ pub trait ResidentLayer: RoutedExperts {
 
 impl ResidentLayer for ResidentExperts {
     fn stats(&self) -> ResidencyStats {
-        self.store().stats().clone()
+        ResidentExperts::stats(self)
     }
     fn capacity(&self) -> usize {
         self.store().capacity()

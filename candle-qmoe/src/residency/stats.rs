@@ -48,6 +48,26 @@ impl ResidencyStats {
         self.generations += other.generations;
     }
 
+    /// What happened between the snapshot `before` and these counters (e.g. the measured part
+    /// of a run after its warm-up); counters never go below zero.
+    pub fn since(&self, before: &Self) -> Self {
+        Self {
+            hits: self.hits.saturating_sub(before.hits),
+            misses: self.misses.saturating_sub(before.misses),
+            evictions: self.evictions.saturating_sub(before.evictions),
+            h2d_bytes: self.h2d_bytes.saturating_sub(before.h2d_bytes),
+            preload_bytes: self.preload_bytes.saturating_sub(before.preload_bytes),
+            prefetch_issued: self.prefetch_issued.saturating_sub(before.prefetch_issued),
+            prefetch_used: self.prefetch_used.saturating_sub(before.prefetch_used),
+            prefetch_wasted: self.prefetch_wasted.saturating_sub(before.prefetch_wasted),
+            hybrid_cpu_experts: self
+                .hybrid_cpu_experts
+                .saturating_sub(before.hybrid_cpu_experts),
+            stall_s: (self.stall_s - before.stall_s).max(0.0),
+            generations: self.generations.saturating_sub(before.generations),
+        }
+    }
+
     /// Hits over routed experts looked up, `None` before any lookup.
     pub fn hit_rate(&self) -> Option<f64> {
         let n = self.hits + self.misses;
