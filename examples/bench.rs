@@ -207,39 +207,6 @@ fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
     a.zip(b).filter(|(_, b)| *b > 0.0).map(|(a, b)| a / b)
 }
 
-/// The GPU's name (CUDA builds only).
-#[cfg(feature = "cuda")]
-fn gpu_name(device: &Device) -> Option<String> {
-    device
-        .as_cuda_device()
-        .ok()?
-        .cuda_stream()
-        .context()
-        .name()
-        .ok()
-}
-
-/// The GPU's name (CUDA builds only).
-#[cfg(not(feature = "cuda"))]
-fn gpu_name(_: &Device) -> Option<String> {
-    None
-}
-
-fn device_json(device: &Device) -> Value {
-    let threads = std::thread::available_parallelism().ok().map(|n| n.get());
-    if device.is_cuda() {
-        json!({
-            "kind": "cuda",
-            "name": gpu_name(device),
-            "driver": common::nvidia_driver_version(),
-            "host_cpu": common::cpu_model(),
-            "host_threads": threads,
-        })
-    } else {
-        json!({"kind": "cpu", "name": common::cpu_model(), "driver": null, "threads": threads})
-    }
-}
-
 /// A lower-case file-name part: runs of other characters become one `-`.
 fn slug(s: &str) -> String {
     let mut out = String::new();
@@ -435,7 +402,7 @@ fn main() -> Result<()> {
         "date": date,
         "commit": common::git_commit(),
         "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "device": device_json(&device),
+        "device": common::device_json(&device),
         "model_id": runs[0].json["model_id"],
         "revision": runs[0].json["revision"],
         "backend": runs[0].json["backend"],

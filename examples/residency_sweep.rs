@@ -85,28 +85,6 @@ const SHAPES: [Shape; 2] = [
 
 const HIDDEN: usize = 2048;
 
-fn device_json(device: &Device) -> Value {
-    let smi = |q: &str| {
-        let out = std::process::Command::new("nvidia-smi")
-            .args([&format!("--query-gpu={q}"), "--format=csv,noheader"])
-            .output()
-            .ok()?;
-        out.status
-            .success()
-            .then(|| {
-                String::from_utf8_lossy(&out.stdout)
-                    .lines()
-                    .next()
-                    .map(str::to_string)
-            })
-            .flatten()
-    };
-    match device {
-        Device::Cpu => json!({"kind": "cpu", "name": common::cpu_model(), "driver": null}),
-        _ => json!({"kind": "cuda", "name": smi("name"), "driver": smi("driver_version")}),
-    }
-}
-
 /// Bytes of device memory in use (driver's view), `None` on the CPU.
 fn device_used_bytes(device: &Device) -> Option<u64> {
     #[cfg(feature = "cuda")]
@@ -328,7 +306,7 @@ fn main() -> Result<()> {
     };
     let mut doc = json!({
         "schema": "candle-qmoe/residency-sweep/1",
-        "device": device_json(&device),
+        "device": common::device_json(&device),
         "commit": std::env::var("QMOE_COMMIT").ok().or_else(common::git_commit),
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "trace_note": "uniform = random_routing (what random weights produce); skewed = \

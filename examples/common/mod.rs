@@ -209,3 +209,37 @@ pub fn git_commit() -> Option<String> {
         .success()
         .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
+
+/// The GPU's name (CUDA builds only).
+#[cfg(feature = "cuda")]
+fn gpu_name(device: &candle::Device) -> Option<String> {
+    device
+        .as_cuda_device()
+        .ok()?
+        .cuda_stream()
+        .context()
+        .name()
+        .ok()
+}
+
+/// The GPU's name (CUDA builds only).
+#[cfg(not(feature = "cuda"))]
+fn gpu_name(_: &candle::Device) -> Option<String> {
+    None
+}
+
+/// The device a run used, for evidence files: kind, name, driver (`null` on the CPU), threads.
+pub fn device_json(device: &candle::Device) -> serde_json::Value {
+    let threads = std::thread::available_parallelism().ok().map(|n| n.get());
+    if device.is_cuda() {
+        serde_json::json!({
+            "kind": "cuda",
+            "name": gpu_name(device),
+            "driver": nvidia_driver_version(),
+            "host_cpu": cpu_model(),
+            "host_threads": threads,
+        })
+    } else {
+        serde_json::json!({"kind": "cpu", "name": cpu_model(), "driver": null, "threads": threads})
+    }
+}
