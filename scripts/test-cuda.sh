@@ -6,7 +6,9 @@
 #     only, so candle-kernels' nvcc work is done once),
 #   * runs the tests: the GPU tests report themselves as ignored ("SKIPPED: no CUDA device"),
 #     the PTX checks and every CPU test run and must pass,
-#   * runs the kernel source under the host emulator (scripts/kernel-emu.sh --quick).
+#   * runs the kernel source under the host emulator (scripts/kernel-emu.sh --quick), then a few
+#     small cases under ThreadSanitizer and AddressSanitizer (--sanitize): shared-memory races
+#     and out-of-bounds accesses.
 # The non-cuda build and tests are scripts/test.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,3 +23,5 @@ cargo test --release --workspace --features cuda
 echo "test-cuda: tests done after $((SECONDS - start)) s"
 bash scripts/kernel-emu.sh --quick
 echo "test-cuda: emulated kernels done after $((SECONDS - start)) s"
+bash scripts/kernel-emu.sh --sanitize
+echo "test-cuda: sanitized emulated kernels done after $((SECONDS - start)) s"

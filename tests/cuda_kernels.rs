@@ -17,12 +17,25 @@
 use std::sync::Arc;
 
 use candle::{DType, Device, Tensor};
-use candle_qmoe::kernels::cuda::{CudaPath, DeviceExperts};
+use candle_qmoe::kernels::cuda::{CudaPath, DeviceExperts, PREFILL_PASS_TOKENS};
 use candle_qmoe::pack::{ExpertLayout, GroupSize};
 use candle_qmoe::residency::{HybridMode, Residency, ResidencyOptions, Resident};
 use candle_qmoe::synthetic::{gaussian, random_layer_pack, random_routing};
 use candle_qmoe::{Int4Experts, RoutedExperts};
 use libtest_mimic::{Arguments, Failed, Trial};
+
+/// How a case's expert ids are drawn.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Routing {
+    /// k distinct experts per token, as top-k gives.
+    Distinct,
+    /// Each token's last id repeats its first: the kernels count each pair with its weight.
+    Repeats,
+    /// Every third id is out of range (a pair computed elsewhere): it adds zero.
+    SomeOutOfRange,
+    /// Every id out of range: the result is zero.
+    NoneInRange,
+}
 
 #[derive(Clone, Copy, Debug)]
 struct Case {
@@ -35,12 +48,13 @@ struct Case {
     dtype: DType,
     path: CudaPath,
     permuted: bool,
+    routing: Routing,
 }
 
 impl Case {
     fn name(&self) -> String {
         format!(
-            "gpu::{:?}_h{}_i{}_e{}_k{}_g{}_t{}_{:?}{}",
+            "gpu::{:?}_h{}_i{}_e{}_k{}_g{}_t{}_{:?}{}{}",
             self.path,
             self.hidden,
             self.inter,
@@ -49,7 +63,13 @@ impl Case {
             self.group,
             self.tokens,
             self.dtype,
-            if self.permuted { "_permuted" } else { "" }
+            if self.permuted { "_permuted" } else { "" },
+            match self.routing {
+                Routing::Distinct => "",
+                Routing::Repeats => "_repeats",
+                Routing::SomeOutOfRange => "_some_out_of_range",
+                Routing::NoneInRange => "_none_in_range",
+            }
         )
         .to_lowercase()
     }
@@ -87,6 +107,7 @@ fn run_case(dev: &Device, c: Case, seed: u64) -> Result<(), Failed> {
         *v *= 8.0; // a few outliers, as hidden states have
     }
     let (ids, w) = random_routing(seed ^ 0x7007, c.tokens, c.k, c.experts);
+    let (ids, w, ref_ids, ref_w) = apply_routing(c, ids, w);
     let cpu = Device::Cpu;
     // The activations the GPU sees, rounded to its dtype, are the reference's input too.
     let x_cpu = Tensor::from_vec(xs, (c.tokens, c.hidden), &cpu)?
@@ -96,7 +117,11 @@ fn run_case(dev: &Device, c: Case, seed: u64) -> Result<(), Failed> {
     let w_cpu = Tensor::from_vec(w, (c.tokens, c.k), &cpu)?;
     let int4 = Int4Experts::new(pack.clone());
     let want = int4
-        .forward(&x_cpu, &ids_cpu, &w_cpu)?
+        .forward(
+            &x_cpu,
+            &Tensor::from_vec(ref_ids, (c.tokens, c.k), &cpu)?,
+            &Tensor::from_vec(ref_w, (c.tokens, c.k), &cpu)?,
+        )?
         .flatten_all()?
         .to_vec1::<f32>()?;
 
@@ -129,6 +154,9 @@ fn run_case(dev: &Device, c: Case, seed: u64) -> Result<(), Failed> {
         .into());
     }
     let err = rel_err(&got, &want);
+    if c.routing == Routing::NoneInRange && got.iter().any(|&v| v != 0.0) {
+        return Err("ids all out of range must give exact zeros".into());
+    }
     if err > c.tolerance() {
         return Err(format!("relative L2 error {err:.3e} > {:.1e}", c.tolerance()).into());
     }
@@ -158,6 +186,42 @@ fn run_case(dev: &Device, c: Case, seed: u64) -> Result<(), Failed> {
     Ok(())
 }
 
+/// The ids and weights the GPU gets for `c.routing`, and an equivalent distinct routing for the
+/// CPU reference (which refuses repeats and out-of-range ids): a repeated pair's weight moves to
+/// its first occurrence and an out-of-range pair becomes an unused expert of weight 0 (adding
+/// 0 · y = 0 exactly).
+fn apply_routing(c: Case, ids: Vec<u32>, w: Vec<f32>) -> (Vec<u32>, Vec<f32>, Vec<u32>, Vec<f32>) {
+    let (mut gpu_ids, mut ref_ids, mut ref_w) = (ids.clone(), ids, w.clone());
+    for tok in 0..c.tokens {
+        let row = tok * c.k..(tok + 1) * c.k;
+        let unused = (0..c.experts as u32)
+            .find(|e| !ref_ids[row.clone()].contains(e))
+            .expect("k < E leaves an unused expert");
+        for j in row.clone() {
+            let out_of_range = match c.routing {
+                Routing::Distinct => false,
+                Routing::Repeats => {
+                    if j + 1 == row.end && c.k > 1 {
+                        gpu_ids[j] = gpu_ids[row.start];
+                        ref_w[row.start] += ref_w[j];
+                        ref_ids[j] = unused;
+                        ref_w[j] = 0.0;
+                    }
+                    false
+                }
+                Routing::SomeOutOfRange => j % 3 == 0,
+                Routing::NoneInRange => true,
+            };
+            if out_of_range {
+                gpu_ids[j] = (c.experts + j % 3) as u32;
+                ref_ids[j] = unused;
+                ref_w[j] = 0.0;
+            }
+        }
+    }
+    (gpu_ids, w, ref_ids, ref_w)
+}
+
 fn cases() -> Vec<Case> {
     let mut out = Vec::new();
     let base = Case {
@@ -170,6 +234,7 @@ fn cases() -> Vec<Case> {
         dtype: DType::BF16,
         path: CudaPath::Decode,
         permuted: false,
+        routing: Routing::Distinct,
     };
     // Small shapes with K not a multiple of 32 (padded chunks) or of the group (partial groups).
     for dtype in [DType::BF16, DType::F16, DType::F32] {
@@ -207,12 +272,36 @@ fn cases() -> Vec<Case> {
                         tokens,
                         dtype,
                         path,
-                        permuted: false,
+                        ..base
                     });
                 }
             }
         }
     }
+    // Ids the kernels get unchecked (no host sync): repeats, out of range, none in range.
+    for routing in [
+        Routing::Repeats,
+        Routing::SomeOutOfRange,
+        Routing::NoneInRange,
+    ] {
+        for (tokens, path) in [(5, CudaPath::Decode), (40, CudaPath::Prefill)] {
+            out.push(Case {
+                // 5 experts for k = 4: with repeats some expert gets more pairs than tokens.
+                experts: if routing == Routing::Repeats { 5 } else { 8 },
+                k: 4,
+                tokens,
+                path,
+                routing,
+                ..base
+            });
+        }
+    }
+    // More tokens than one prefill pass (PREFILL_PASS_TOKENS): passes must join seamlessly.
+    out.push(Case {
+        tokens: 2 * PREFILL_PASS_TOKENS + 37,
+        path: CudaPath::Prefill,
+        ..base
+    });
     // The kernels find experts only through the slot table.
     for (tokens, path) in [(4, CudaPath::Decode), (40, CudaPath::Prefill)] {
         out.push(Case {
@@ -335,6 +424,77 @@ fn ptx_checks() -> Result<(), Failed> {
     Ok(())
 }
 
+/// `ptxas` of the CUDA toolkit (`$CUDA_HOME/bin/ptxas`, else on PATH), when there is one.
+fn ptxas() -> Option<std::path::PathBuf> {
+    let candidates = std::env::var_os("CUDA_HOME")
+        .map(|h| std::path::Path::new(&h).join("bin/ptxas"))
+        .into_iter()
+        .chain(std::env::var_os("PATH").into_iter().flat_map(|p| {
+            std::env::split_paths(&p)
+                .map(|d| d.join("ptxas"))
+                .collect::<Vec<_>>()
+        }));
+    candidates.into_iter().find(|p| p.is_file())
+}
+
+/// Assembles both PTX targets with `ptxas -v` (what the driver's JIT does on the GPU): no kernel
+/// may spill registers or use a stack frame (local memory would cost the decode path its
+/// bandwidth), and the decode/prefill kernels' static shared memory must stay inside the
+/// reserve that `DeviceExperts::decode_fits` holds back (1 KiB).
+fn ptxas_checks(ptxas: std::path::PathBuf) -> Result<(), Failed> {
+    use candle_qmoe::kernels::cuda::{W4A16_MOE_SM80, W4A16_MOE_SM90};
+    let dir = std::env::temp_dir().join(format!("qmoe-ptxas-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    for (ptx, arch) in [(W4A16_MOE_SM80, "sm_80"), (W4A16_MOE_SM90, "sm_90")] {
+        let src = dir.join(format!("{arch}.ptx"));
+        std::fs::write(&src, ptx)?;
+        let out = std::process::Command::new(&ptxas)
+            .arg(format!("-arch={arch}"))
+            .arg("-v")
+            .arg(&src)
+            .arg("-o")
+            .arg(dir.join(format!("{arch}.cubin")))
+            .output()?;
+        let log = String::from_utf8_lossy(&out.stderr);
+        if !out.status.success() {
+            return Err(format!("ptxas failed for {arch}:\n{log}").into());
+        }
+        // Per entry: "Compiling entry function 'NAME' for 'sm_90'", then the stack/spill line,
+        // then "Used N registers, ... M bytes smem".
+        let mut kernel = String::new();
+        let mut kernels = 0;
+        for line in log.lines() {
+            if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+                kernel = rest.split('\'').next().unwrap_or("").to_string();
+                kernels += 1;
+            } else if line.contains("spill stores") {
+                let nonzero = line
+                    .split(',')
+                    .any(|part| !part.trim_start().starts_with("0 bytes"));
+                if nonzero {
+                    return Err(format!("{arch} {kernel}: {}", line.trim()).into());
+                }
+            } else if let Some(used) = line.split("Used ").nth(1) {
+                let smem = used
+                    .split(", ")
+                    .find_map(|p| p.strip_suffix(" bytes smem"))
+                    .map_or(Ok(0), str::parse::<usize>)?;
+                if kernel != "qmoe_route" && smem > 1024 {
+                    return Err(
+                        format!("{arch} {kernel}: {smem} bytes of static shared memory").into(),
+                    );
+                }
+                eprintln!("{arch} {kernel}: {}", used.trim());
+            }
+        }
+        if kernels != 22 {
+            return Err(format!("{arch}: ptxas reported {kernels} kernels, expected 22").into());
+        }
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
 fn main() {
     let mut args = Arguments::from_args();
     // One GPU test at a time: each uses the whole device, and Candle's CUDA stream is per thread.
@@ -346,6 +506,19 @@ fn main() {
         eprintln!("SKIPPED: no CUDA device ({why}); the GPU tests below are reported as ignored");
     }
     let mut trials = vec![Trial::test("ptx::targets_isa_and_entry_points", ptx_checks)];
+    let assembler = ptxas();
+    if assembler.is_none() {
+        eprintln!(
+            "SKIPPED: no ptxas (source scripts/cuda-env.sh); ptx::ptxas_* is reported as ignored"
+        );
+    }
+    trials.push(
+        Trial::test("ptx::ptxas_no_spills_small_static_smem", {
+            let assembler = assembler.clone();
+            move || ptxas_checks(assembler.ok_or("no ptxas")?)
+        })
+        .with_ignored_flag(assembler.is_none()),
+    );
     for (i, c) in cases().into_iter().enumerate() {
         let dev = device.as_ref().ok().cloned();
         let ignored = dev.is_none();

@@ -31,7 +31,10 @@
 //     token in the fixed order j = 0..k-1: deterministic, no float atomics, no host sync.
 //   prefill (any T): qmoe_route (one block: counting sort of the T*k pairs by expert, tile list,
 //     no limit on routed rows) -> qmoe_prefill_gate_up_* / qmoe_prefill_down_* (64 weight rows x
-//     64 routed rows per block, 3-stage cp.async pipeline) -> qmoe_combine_* (fixed-order sum).
+//     64 routed rows per block, 3-stage cp.async pipeline, 2 for F32) -> qmoe_combine_* (fixed-order
+//     sum).
+// Ids >= E mark pairs computed elsewhere (a residency manager's CPU share): they contribute 0.
+// A token that repeats an expert gets the CPU path's result (each pair counted with its weight).
 //
 // Experts are located through an expert -> slot table (u32 per expert) so that a residency
 // manager can remap experts without touching the kernels.
@@ -273,6 +276,16 @@ __device__ __forceinline__ void mma_step(const uint32_t (&a)[MT][2][4], XRow xro
 // Decode
 // ---------------------------------------------------------------------------------------------
 
+// The first pair of pair i's token routed to the same expert (i itself unless the token repeats
+// an expert): decode computes each (token, expert) once, so at most T pairs per expert, and the
+// combine reads a repeated pair's output from its first occurrence.
+__device__ __forceinline__ int first_pair(const MoeParams& p, int i) {
+    const uint32_t e = p.ids[i];
+    for (int j = i - static_cast<int>(i % p.k); j < i; ++j)
+        if (p.ids[j] == e) return j;
+    return i;
+}
+
 constexpr int DEC_WARPS = 4;
 constexpr int DEC_ROWS = 32;    // weight rows per block: two 16-row tiles
 constexpr int DEC_STAGES = 4;
@@ -321,15 +334,25 @@ __device__ __forceinline__ void decode_body(const MoeParams& p) {
         }
     }
     __syncthreads();
-    if (d >= s_nd) return;
+    if (d >= s_nd) {
+        // No expert at all (every id out of range, e.g. all computed elsewhere): the result is 0.
+        if (MODE == 1 && s_nd == 0 && d == 0) {
+            for (int idx = tid; idx < static_cast<int>(p.T) * DEC_ROWS; idx += NTHREADS) {
+                const int tok = idx / DEC_ROWS, row = blockIdx.x * DEC_ROWS + (idx - tok * DEC_ROWS);
+                if (row < static_cast<int>(p.H))
+                    reinterpret_cast<T*>(p.out)[static_cast<unsigned long long>(tok) * p.H + row] = from_f32<T>(0.f);
+            }
+        }
+        return;
+    }
     const uint32_t e = s_expert;
 
-    // 2. The routed pairs (token * k + j) of this expert, ascending.
+    // 2. The routed pairs (token * k + j) of this expert, ascending, one per token.
     if (warp == 0) {
         int base = 0;
         for (int i0 = 0; i0 < P; i0 += 32) {
             const int i = i0 + lane;
-            const bool m = i < P && p.ids[i] == e;
+            const bool m = i < P && p.ids[i] == e && first_pair(p, i) == i;
             const uint32_t bal = __ballot_sync(0xffffffffu, m);
             const int pos = base + __popc(bal & ((1u << lane) - 1u));
             if (m && pos < MAXN) s_pair[pos] = static_cast<uint32_t>(i);
@@ -504,6 +527,7 @@ __device__ __forceinline__ void decode_body(const MoeParams& p) {
         __threadfence();
         __syncthreads();
         if (tid == 0) {
+            __threadfence();  // order the block's y stores (seen through the barrier) before the arrival
             const unsigned prev = atomicAdd(&p.counters[blk], 1u);
             s_last = prev == static_cast<unsigned>(s_nd - 1);
         }
@@ -517,7 +541,10 @@ __device__ __forceinline__ void decode_body(const MoeParams& p) {
                 float v = 0.f;
                 for (int j = 0; j < k; ++j) {
                     const unsigned long long pair = static_cast<unsigned long long>(tok) * k + j;
-                    if (p.ids[pair] < p.E) v += p.route_w[pair] * __ldcg(&p.y[pair * p.H + row]);
+                    if (p.ids[pair] < p.E) {
+                        const unsigned long long src = first_pair(p, static_cast<int>(pair));
+                        v += p.route_w[pair] * __ldcg(&p.y[src * p.H + row]);
+                    }
                 }
                 reinterpret_cast<T*>(p.out)[static_cast<unsigned long long>(tok) * p.H + row] = from_f32<T>(v);
             }
@@ -532,9 +559,11 @@ __device__ __forceinline__ void decode_body(const MoeParams& p) {
 
 constexpr int PRE_ROWS = 64;    // weight rows per block
 constexpr int PRE_PAIRS = 64;   // routed rows (tokens) per block / tile
-constexpr int PRE_STAGES = 3;
 constexpr int PRE_W_STAGE = PRE_ROWS * W_PITCH;
 
+// Pipeline stages: 3, or 2 for F32 activations (twice the bytes per stage), so that the F32
+// kernels fit GPUs that allow about 99 KiB of shared memory per block.
+template <class T> __host__ __device__ constexpr int pre_stages() { return Act<T>::ES == 4 ? 2 : 3; }
 template <class T> __host__ __device__ constexpr int pre_x_pitch() { return x_pitch(STEP_CHUNKS * 32, Act<T>::ES); }
 template <class T> __host__ __device__ constexpr int pre_stage_bytes() {
     return PRE_W_STAGE + PRE_PAIRS * pre_x_pitch<T>();
@@ -613,6 +642,7 @@ __device__ __forceinline__ void prefill_body(const MoeParams& p) {
     constexpr int NT = 4;  // 32 routed rows per warp
     constexpr int XP = pre_x_pitch<T>();
     constexpr int STAGE = pre_stage_bytes<T>();
+    constexpr int STAGES = pre_stages<T>();
     QMOE_DYN_SMEM(smem);
     __shared__ uint32_t s_pair[PRE_PAIRS];
 
@@ -646,14 +676,14 @@ __device__ __forceinline__ void prefill_body(const MoeParams& p) {
     };
     // Shared row of m-tile mt of this warp.
     auto mrow = [&](int mt) -> int { return MODE == 0 ? mt * 32 + wr * 16 : wr * 32 + mt * 16; };
-    __half* s_sc = reinterpret_cast<__half*>(smem + PRE_STAGES * STAGE);
+    __half* s_sc = reinterpret_cast<__half*>(smem + STAGES * STAGE);
     const uint8_t* xsrc = reinterpret_cast<const uint8_t*>(MODE == 0 ? p.x : p.h);
     __syncthreads();  // s_pair
 
     const int nsteps = (kc + STEP_CHUNKS - 1) / STEP_CHUNKS;
     auto load_stage = [&](int st) {
         if (st < nsteps) {
-            uint8_t* ws = smem + (st % PRE_STAGES) * STAGE;
+            uint8_t* ws = smem + (st % STAGES) * STAGE;
             uint8_t* xs = ws + PRE_W_STAGE;
             const int c0 = st * STEP_CHUNKS;
 #pragma unroll
@@ -683,7 +713,7 @@ __device__ __forceinline__ void prefill_body(const MoeParams& p) {
         cp_async_commit();
     };
 #pragma unroll
-    for (int st = 0; st < PRE_STAGES - 1; ++st) load_stage(st);
+    for (int st = 0; st < STAGES - 1; ++st) load_stage(st);
     for (int idx = tid; idx < PRE_ROWS * groups; idx += NTHREADS) {
         const int r = idx / groups, gi = idx - r * groups;
         const int gr = grow(r);
@@ -702,10 +732,10 @@ __device__ __forceinline__ void prefill_body(const MoeParams& p) {
     };
 
     for (int st = 0; st < nsteps; ++st) {
-        cp_async_wait<PRE_STAGES - 2>();
+        cp_async_wait<STAGES - 2>();
         __syncthreads();
-        load_stage(st + PRE_STAGES - 1);
-        const uint8_t* ws = smem + (st % PRE_STAGES) * STAGE;
+        load_stage(st + STAGES - 1);
+        const uint8_t* ws = smem + (st % STAGES) * STAGE;
         const uint8_t* xs = ws + PRE_W_STAGE;
         uint32_t a[2][2][4];
 #pragma unroll

@@ -5,8 +5,11 @@
 // variables become function-local statics (shared by the threads of the running block),
 // `__syncthreads` / `__syncwarp` are barriers, and the warp collectives (shuffles, ballots,
 // ldmatrix, mma.sync) exchange values through a per-warp buffer between two barriers, following
-// the PTX fragment layouts. cp.async copies synchronously, so the emulator proves addressing
-// and arithmetic, not the absence of races or the timing: that needs the GPU.
+// the PTX fragment layouts. cp.async copies land only when their group is waited for. The
+// emulator proves addressing and arithmetic; built with ThreadSanitizer it also finds shared-
+// memory races between the threads of a block (a missing __syncthreads/__syncwarp), and with
+// AddressSanitizer accesses outside the buffers and the dynamic shared memory (sized exactly).
+// Cross-block ordering, the real memory model and the timing still need the GPU.
 #pragma once
 
 #include <atomic>
@@ -224,7 +227,7 @@ inline void launch(void (*kernel)(const void*), const void* params, Dim3 grid, u
                 blk.warps.push_back(std::move(wp));
             }
             // Garbage, not zeros: the kernels must not read shared memory they did not write.
-            blk.smem.assign(smem + 16, 0xA5);
+            blk.smem.assign(std::max<size_t>(smem, 1), 0xA5);
             g_blk = &blk;
             std::vector<std::thread> ts;
             ts.reserve(threads);

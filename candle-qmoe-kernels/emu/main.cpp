@@ -93,11 +93,26 @@ size_t decode_smem(const Geo& g, int K, int T, int es) {
 }
 template <class T> size_t prefill_smem(const Geo& g, int K) {
     const int groups = (K + g.group - 1) / g.group;
-    return qmoe::PRE_STAGES * qmoe::pre_stage_bytes<T>() + rup(qmoe::PRE_ROWS * groups * 2, 16);
+    return qmoe::pre_stages<T>() * qmoe::pre_stage_bytes<T>() + rup(qmoe::PRE_ROWS * groups * 2, 16);
+}
+
+// How the routed ids of a case are drawn: k distinct experts per token (what top-k gives), each
+// token's last id repeating its first, about a third of the ids out of range (pairs a residency
+// manager computes elsewhere), or every id out of range.
+enum class Routing { Distinct, Repeats, SomeOutOfRange, NoneInRange };
+const char* routing_name(Routing r) {
+    switch (r) {
+        case Routing::Distinct: return "";
+        case Routing::Repeats: return " repeats";
+        case Routing::SomeOutOfRange: return " some-out-of-range";
+        case Routing::NoneInRange: return " none-in-range";
+    }
+    return "";
 }
 
 template <class T>
-bool run_case(int H, int I, int E, int k, int group, int T_, bool decode, uint64_t seed) {
+bool run_case(int H, int I, int E, int k, int group, int T_, bool decode, uint64_t seed,
+              Routing routing = Routing::Distinct) {
     const Geo g = geometry(H, I, E, k, group);
     std::mt19937_64 rng(seed);
     std::uniform_int_distribution<int> byte(0, 255);
@@ -138,6 +153,9 @@ bool run_case(int H, int I, int E, int k, int group, int T_, bool decode, uint64
         for (int j = 0; j < k; ++j) {
             ids[t * k + j] = perm[j];
             rw[t * k + j] = 0.1f + 0.9f * (uni(rng) + 1.f) / 2.f;
+            if (routing == Routing::Repeats && j == k - 1 && k > 1) ids[t * k + j] = perm[0];
+            if (routing == Routing::NoneInRange || (routing == Routing::SomeOutOfRange && byte(rng) < 85))
+                ids[t * k + j] = E + static_cast<uint32_t>(byte(rng) % 3);
         }
     }
     // Reference (float64 from the bytes; slab of expert e at slot[e]).
@@ -145,6 +163,7 @@ bool run_case(int H, int I, int E, int k, int group, int T_, bool decode, uint64
     for (int t = 0; t < T_; ++t)
         for (int j = 0; j < k; ++j) {
             const int e = ids[t * k + j];
+            if (e >= E) continue;
             const uint8_t* s = slabs.data() + g.slab * slot[e];
             const auto* gus = reinterpret_cast<const uint16_t*>(s + g.off_gu_s);
             const auto* dns = reinterpret_cast<const uint16_t*>(s + g.off_dn_s);
@@ -226,25 +245,40 @@ bool run_case(int H, int I, int E, int k, int group, int T_, bool decode, uint64
     }
     bool counters_clear = true;
     for (auto c : counters) counters_clear &= c == 0;
-    const double err = std::sqrt(num / den);
+    const double err = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
     const double tol = sizeof(T) == 4 ? 1e-4 : (Name<T>::bf ? 1e-2 : 2e-3);
     const bool ok = bad == 0 && err <= tol && counters_clear;
-    std::printf("%s %-7s %-4s H%d I%d E%d k%d g%d T%d: rel err %.2e, non-finite %zu%s\n", ok ? "PASS" : "FAIL",
-                decode ? "decode" : "prefill", Name<T>::s, H, I, E, k, group, T_, err, bad,
-                counters_clear ? "" : ", counters not reset");
+    std::printf("%s %-7s %-4s H%d I%d E%d k%d g%d T%d%s: %s err %.2e, non-finite %zu%s\n", ok ? "PASS" : "FAIL",
+                decode ? "decode" : "prefill", Name<T>::s, H, I, E, k, group, T_, routing_name(routing),
+                den > 0 ? "rel" : "abs", err, bad, counters_clear ? "" : ", counters not reset");
     return ok;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-    const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
+    const std::string mode = argc > 1 ? argv[1] : "";
+    const bool quick = mode == "--quick";
     int failed = 0, total = 0;
     auto check = [&](bool ok) {
         ++total;
         failed += ok ? 0 : 1;
     };
     uint64_t seed = 1;
+    if (mode == "--race") {
+        // Few, small cases that still reach every kernel and code path (both decode tiles, the
+        // pipelines wrapping around their stages, several prefill tiles per expert, the decode
+        // combine by the last block), for the slow sanitizer builds of scripts/kernel-emu.sh.
+        check(run_case<__nv_bfloat16>(2304, 64, 4, 2, 128, 3, true, seed++));
+        check(run_case<__half>(264, 200, 4, 2, 64, 12, true, seed++));
+        check(run_case<float>(264, 72, 8, 2, 32, 2, true, seed++));
+        check(run_case<__nv_bfloat16>(2304, 64, 4, 2, 128, 20, false, seed++));
+        check(run_case<float>(264, 72, 2, 1, 64, 70, false, seed++));
+        check(run_case<__nv_bfloat16>(264, 72, 5, 4, 64, 5, true, seed++, Routing::Repeats));
+        check(run_case<__nv_bfloat16>(264, 72, 8, 4, 64, 5, true, seed++, Routing::NoneInRange));
+        std::printf("emulated kernels: %d cases, %d failed\n", total, failed);
+        return failed == 0 ? 0 : 1;
+    }
     // K not a multiple of 32 (padded chunks) and of the group (partial last group).
     for (int group : {32, 64}) {
         for (int T_ : {1, 3, 9}) {
@@ -271,6 +305,14 @@ int main(int argc, char** argv) {
     // Many distinct experts, two 8-token tiles, k = 8.
     check(run_case<__nv_bfloat16>(256, 128, 40, 8, 128, 16, true, seed++));
     if (!quick) check(run_case<__nv_bfloat16>(256, 128, 40, 8, 128, 16, false, seed++));
+    // Ids the kernels must survive: repeats within a token (5 experts for k = 4, so that some
+    // expert gets more pairs than there are tokens), ids out of range, none in range.
+    for (Routing r : {Routing::Repeats, Routing::SomeOutOfRange, Routing::NoneInRange})
+        for (bool dec : {true, false}) {
+            const int E = r == Routing::Repeats ? 5 : 8;
+            check(run_case<__nv_bfloat16>(264, 200, E, 4, 64, 5, dec, seed++, r));
+            if (!quick) check(run_case<float>(264, 200, E, 4, 64, 12, dec, seed++, r));
+        }
     std::printf("emulated kernels: %d cases, %d failed\n", total, failed);
     return failed == 0 ? 0 : 1;
 }

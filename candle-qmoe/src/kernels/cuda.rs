@@ -2,8 +2,7 @@
 //!
 //! [`DeviceExperts`] holds one layer's expert slabs on a GPU together with the expert → slot
 //! table the kernels index through (all experts resident, slot = expert id, until a residency
-//! manager remaps them) and the decode path's arrival counters. [`DeviceExperts::forward`] runs
-//! either path on Candle CUDA storages:
+//! manager remaps them). [`DeviceExperts::forward`] runs either path on Candle CUDA storages:
 //!
 //! * **decode** (T ≤ [`DECODE_MAX_TOKENS`]): two launches. `qmoe_decode_gate_up_*` (grid
 //!   ⌈I/16⌉ × min(E, T·k), 128 threads) computes `h = silu(gate·x) ⊙ (up·x)` for every routed
@@ -13,14 +12,20 @@
 //! * **prefill** (any T): `qmoe_route` (one block) groups the T·k pairs by expert on the device
 //!   and writes a tile list; `qmoe_prefill_gate_up_*` / `qmoe_prefill_down_*` run 64 weight rows ×
 //!   64 routed rows per block with tensor-core MMA; `qmoe_combine_*` sums the k experts per token.
+//!   Calls of more than [`PREFILL_PASS_TOKENS`] tokens run in passes of that many tokens.
 //!
 //! Activations may be BF16, F16 or F32 (the result has the same dtype); accumulation is F32.
+//! Ids ≥ E mark pairs computed elsewhere (they add 0); a token that repeats an expert counts each
+//! pair with its weight, as the CPU kernel does. Scratch buffers (and the decode path's arrival
+//! counters) are allocated per call on the calling thread's stream, so calls from several threads
+//! may overlap.
 
 use std::sync::Arc;
 
 use candle::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle::cuda_backend::cudarc::driver::{
-    self, CudaSlice, CudaStream, DevicePtr, DeviceRepr, PushKernelArg,
+    self, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, PushKernelArg,
+    ValidAsZeroBits,
 };
 use candle::cuda_backend::{CudaDevice, CudaStorage, CudaStorageSlice, WrapErr};
 use candle::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
@@ -34,6 +39,9 @@ pub use candle_qmoe_kernels::{ptx_for, W4A16_MOE_SM80, W4A16_MOE_SM90};
 pub const DECODE_MAX_TOKENS: usize = 16;
 /// Most routed experts per layer the kernels support (the decode bitmap and route scan).
 pub const MAX_EXPERTS: usize = 1024;
+/// Most tokens one pass of the prefill kernels takes: longer calls run in passes, which bounds
+/// the scratch (`PREFILL_PASS_TOKENS · k · H` F32 outputs) and keeps the grids inside CUDA's limits.
+pub const PREFILL_PASS_TOKENS: usize = 2048;
 
 // Geometry shared with w4a16_moe.cu.
 const NTHREADS: u32 = 128;
@@ -42,10 +50,10 @@ const DEC_RING_BYTES: usize = 4 * 4 * 32 * W_PITCH;
 const DEC_ROWS: usize = 32;
 const PRE_ROWS: usize = 64;
 const PRE_PAIRS: usize = 64;
-const PRE_STAGES: usize = 3;
 const STEP_COLS: usize = 128;
-/// Dynamic shared memory a kernel may use without opting in.
-const DEFAULT_SMEM: usize = 48 * 1024;
+/// Shared memory held back for the kernels' static `__shared__` variables when deciding whether
+/// the decode kernels fit (they use about 256 bytes; launches check the real figure).
+const STATIC_SMEM_RESERVE: usize = 1024;
 
 /// Which kernels run a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,12 +105,6 @@ const _: () = assert!(std::mem::size_of::<MoeParams>() == 176);
 // valid kernel parameter.
 unsafe impl DeviceRepr for MoeParams {}
 
-/// The device address of `s`. Every buffer here lives on the device's single stream, so the
-/// event the returned guard records on drop carries no ordering that the stream does not.
-fn dptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
-    s.device_ptr(stream).0
-}
-
 fn round_up(x: usize, m: usize) -> usize {
     x.div_ceil(m) * m
 }
@@ -114,16 +116,14 @@ fn x_pitch(cols: usize, es: usize) -> usize {
 
 /// One layer's packed experts resident on a CUDA device.
 ///
-/// Calls are ordered on the device's stream; the decode path's arrival counters are shared
-/// state, so one `DeviceExperts` must not run on two streams at once (a model runs a layer
-/// after the other on one stream, which is what it is for).
+/// Calls are ordered on the calling thread's stream of the device and keep no state between
+/// them, so threads may share one `DeviceExperts`.
 pub struct DeviceExperts {
     device: CudaDevice,
     layout: ExpertLayout,
     num_experts: usize,
     slabs: CudaSlice<u8>,
     slot_of: CudaSlice<u32>,
-    counters: CudaSlice<u32>,
     ptx: &'static str,
     smem_optin: usize,
 }
@@ -221,7 +221,6 @@ impl DeviceExperts {
             .w()? as usize;
         let slabs = device.alloc_zeros::<u8>((slots * layout.slab_bytes()).max(1))?;
         let slot_of = device.clone_htod(vec![u32::MAX; num_experts].as_slice())?;
-        let counters = device.alloc_zeros::<u32>(layout.hidden.div_ceil(DEC_ROWS))?;
         stream.synchronize().w()?;
         Ok(Self {
             device: device.clone(),
@@ -229,7 +228,6 @@ impl DeviceExperts {
             num_experts,
             slabs,
             slot_of,
-            counters,
             ptx,
             smem_optin,
         })
@@ -274,19 +272,20 @@ impl DeviceExperts {
             + t.min(DECODE_MAX_TOKENS) * x_pitch(k_dim, es)
     }
 
-    /// Shared memory of a prefill kernel reading rows of `k_dim` columns.
+    /// Shared memory of a prefill kernel reading rows of `k_dim` columns (3 pipeline stages, 2
+    /// for F32 activations, as `pre_stages` in the .cu).
     fn prefill_smem(&self, k_dim: usize, es: usize) -> usize {
         let groups = k_dim.div_ceil(self.layout.group_size.get());
         let stage = PRE_ROWS * W_PITCH + PRE_PAIRS * x_pitch(STEP_COLS, es);
-        PRE_STAGES * stage + round_up(PRE_ROWS * groups * 2, 16)
+        let stages = if es == 4 { 2 } else { 3 };
+        stages * stage + round_up(PRE_ROWS * groups * 2, 16)
     }
 
     /// Whether the decode kernels fit the device's shared memory for `t` tokens of `dtype`.
     pub fn decode_fits(&self, t: usize, dtype: DType) -> bool {
         let es = dtype.size_in_bytes();
-        t <= DECODE_MAX_TOKENS
-            && self.decode_smem(self.layout.hidden, t, es) <= self.smem_optin
-            && self.decode_smem(self.layout.intermediate, t, es) <= self.smem_optin
+        let fits = |k_dim| self.decode_smem(k_dim, t, es) + STATIC_SMEM_RESERVE <= self.smem_optin;
+        t <= DECODE_MAX_TOKENS && fits(self.layout.hidden) && fits(self.layout.intermediate)
     }
 
     /// [`DeviceExperts::forward`] on tensors: `xs [T, H]` on this device (BF16/F16/F32, other
@@ -308,8 +307,9 @@ impl DeviceExperts {
         x.apply_op3_no_bwd(&ids, &w, &op)?.to_dtype(xs.dtype())
     }
 
-    /// Runs the routed experts: `x [T, H]` (BF16/F16/F32), `ids [T, k]` (U32) and `weights [T, k]`
-    /// (F32), all contiguous on this device; returns `[T, H]` in the dtype of `x`. With `poison`
+    /// Runs the routed experts: `x [T, H]` (BF16/F16/F32, starting on a 16-byte boundary),
+    /// `ids [T, k]` (U32) and `weights [T, k]` (F32), all contiguous on this device; returns
+    /// `[T, H]` in the dtype of `x`. With `poison`
     /// every buffer the kernels write (result and scratch) is filled with NaN first, so an element
     /// they miss shows up.
     #[allow(clippy::too_many_arguments)]
@@ -355,14 +355,21 @@ impl DeviceExperts {
             CudaStorageSlice::F32(s) => s,
             _ => candle::bail!("CUDA routed experts: weights must be f32"),
         };
-        let ids_p = dptr(ids_s, &stream);
-        let w_p = dptr(w_s, &stream);
+        // The guards record the inputs' read events when dropped, after the launches.
+        let (ids_p, _ids_guard) = ids_s.device_ptr(&stream);
+        let (w_p, _w_guard) = w_s.device_ptr(&stream);
         let ids_p = ids_p + 4 * ids_off as u64;
         let w_p = w_p + 4 * w_off as u64;
         macro_rules! run_as {
             ($s:expr, $t:ty) => {{
-                let p = dptr($s, &stream) + (std::mem::size_of::<$t>() * x_off) as u64;
-                let out = self.run::<$t>(&stream, p, ids_p, w_p, t, k, path, poison)?;
+                let x_bytes = std::mem::size_of::<$t>() * x_off;
+                if x_bytes % 16 != 0 {
+                    candle::bail!(
+                        "CUDA routed experts: xs must start on a 16-byte boundary, its offset is {x_bytes} bytes"
+                    );
+                }
+                let (p, _x_guard) = $s.device_ptr(&stream);
+                let out = self.run::<$t>(&stream, p + x_bytes as u64, ids_p, w_p, t, k, path, poison)?;
                 Ok(CudaStorage::wrap_cuda_slice(out, self.device.clone()))
             }};
         }
@@ -385,7 +392,7 @@ impl DeviceExperts {
         // (checked by the poisoned runs of the GPU check), or filled right below.
         let s = unsafe { self.device.alloc::<T>(len.max(1)) }?;
         if poison {
-            let p = dptr(&s, stream);
+            let (p, _guard) = s.device_ptr(stream);
             // SAFETY: `p` points to `len.max(1) * size_of::<T>()` bytes allocated on `stream`'s
             // context just above; the memset is ordered on the same stream.
             unsafe {
@@ -419,24 +426,25 @@ impl DeviceExperts {
                 grid.1
             );
         }
-        if smem > self.smem_optin {
-            candle::bail!(
-                "CUDA routed experts: {name} needs {smem} bytes of shared memory, the device allows {}",
-                self.smem_optin
-            );
-        }
         let func = self.device.get_or_load_custom_func(
             name,
             candle_qmoe_kernels::MODULE_NAME,
             self.ptx,
         )?;
-        if smem > DEFAULT_SMEM {
-            func.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-            .w()?;
+        // The opt-in limit covers static and dynamic shared memory together.
+        let static_smem = func.shared_size_bytes().w()? as usize;
+        if smem + static_smem > self.smem_optin {
+            candle::bail!(
+                "CUDA routed experts: {name} needs {} bytes of shared memory, the device allows {}",
+                smem + static_smem,
+                self.smem_optin
+            );
         }
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .w()?;
         let cfg = driver::LaunchConfig {
             grid_dim: (grid.0, grid.1, 1),
             block_dim: (block, 1, 1),
@@ -453,7 +461,9 @@ impl DeviceExperts {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn run<T: DeviceRepr + candle::WithDType + candle::cuda_backend::CudaDType>(
+    fn run<
+        T: DeviceRepr + ValidAsZeroBits + candle::WithDType + candle::cuda_backend::CudaDType,
+    >(
         &self,
         stream: &Arc<CudaStream>,
         x: u64,
@@ -474,7 +484,6 @@ impl DeviceExperts {
         };
         let l = self.layout;
         let (h, i) = (l.hidden, l.intermediate);
-        let pairs = t * k;
         let decode = match path {
             CudaPath::Auto => self.decode_fits(t, dtype),
             CudaPath::Decode => {
@@ -488,33 +497,23 @@ impl DeviceExperts {
             }
             CudaPath::Prefill => false,
         };
-        let out = self.scratch::<T>(stream, t * h, poison)?;
         if t == 0 || k == 0 {
-            return Ok(out);
+            return self.device.alloc_zeros::<T>((t * h).max(1));
         }
-        let hbuf = self.scratch::<T>(stream, pairs * i, poison)?;
-        let ybuf = self.scratch::<f32>(stream, pairs * h, poison)?;
+        let mut out = self.scratch::<T>(stream, t * h, poison)?;
+        // Every guard records its buffer's use (read or write) when dropped, after the launches.
+        let (out_p, out_guard) = out.device_ptr_mut(stream);
+        let (slabs_p, _slabs_guard) = self.slabs.device_ptr(stream);
+        let (slot_p, _slot_guard) = self.slot_of.device_ptr(stream);
         let o = l.offsets();
-        let slabs_p = dptr(&self.slabs, stream);
-        let slot_p = dptr(&self.slot_of, stream);
-        let out_p = dptr(&out, stream);
-        let h_p = dptr(&hbuf, stream);
-        let y_p = dptr(&ybuf, stream);
         let mut params = MoeParams {
             slabs: slabs_p,
             slot_of: slot_p,
-            x,
-            ids,
-            route_w,
-            h: h_p,
-            y: y_p,
-            out: out_p,
             slab_bytes: o.total as u64,
             off_gu_w: o.gate_up_weights as u64,
             off_dn_w: o.down_weights as u64,
             off_gu_s: o.gate_up_scales as u64,
             off_dn_s: o.down_scales as u64,
-            t: t as u32,
             k: k as u32,
             e: self.num_experts as u32,
             hidden: h as u32,
@@ -522,11 +521,29 @@ impl DeviceExperts {
             group: l.group_size.get() as u32,
             ..Default::default()
         };
+        let pass = if decode {
+            t
+        } else {
+            t.min(PREFILL_PASS_TOKENS)
+        };
+        let mut hbuf = self.scratch::<T>(stream, pass * k * i, poison)?;
+        let mut ybuf = self.scratch::<f32>(stream, pass * k * h, poison)?;
+        let (h_p, _h_guard) = hbuf.device_ptr_mut(stream);
+        let (y_p, _y_guard) = ybuf.device_ptr_mut(stream);
+        params.h = h_p;
+        params.y = y_p;
         if decode {
             let nt = if t <= 8 { 1 } else { 2 };
-            let blocks_y = self.num_experts.min(pairs) as u32;
-            let c_p = dptr(&self.counters, stream);
+            let blocks_y = self.num_experts.min(t * k) as u32;
+            // Arrival counters, zero on entry; the kernel's last blocks leave them zero.
+            let mut counters = self.device.alloc_zeros::<u32>(h.div_ceil(DEC_ROWS))?;
+            let (c_p, _c_guard) = counters.device_ptr_mut(stream);
             params.counters = c_p;
+            params.x = x;
+            params.ids = ids;
+            params.route_w = route_w;
+            params.out = out_p;
+            params.t = t as u32;
             self.launch(
                 &format!("qmoe_decode_gate_up_{suffix}_nt{nt}"),
                 &params,
@@ -542,43 +559,53 @@ impl DeviceExperts {
                 self.decode_smem(i, t, es),
             )?;
         } else {
-            let max_tiles = pairs.div_ceil(PRE_PAIRS) + self.num_experts.min(pairs);
-            let rank = self.scratch::<u32>(stream, pairs, false)?;
-            let sorted = self.scratch::<u32>(stream, pairs, poison)?;
-            let tiles = self.scratch::<u32>(stream, 3 * max_tiles, poison)?;
-            let ntiles = self.scratch::<u32>(stream, 1, poison)?;
-            let rank_p = dptr(&rank, stream);
-            let sorted_p = dptr(&sorted, stream);
-            let tiles_p = dptr(&tiles, stream);
-            let nt_p = dptr(&ntiles, stream);
+            let max_tiles = (pass * k).div_ceil(PRE_PAIRS) + self.num_experts.min(pass * k);
+            let mut rank = self.scratch::<u32>(stream, pass * k, false)?;
+            let mut sorted = self.scratch::<u32>(stream, pass * k, poison)?;
+            let mut tiles = self.scratch::<u32>(stream, 3 * max_tiles, poison)?;
+            let mut ntiles = self.scratch::<u32>(stream, 1, poison)?;
+            let (rank_p, _rank_guard) = rank.device_ptr_mut(stream);
+            let (sorted_p, _sorted_guard) = sorted.device_ptr_mut(stream);
+            let (tiles_p, _tiles_guard) = tiles.device_ptr_mut(stream);
+            let (nt_p, _nt_guard) = ntiles.device_ptr_mut(stream);
             params.rank = rank_p;
             params.sorted = sorted_p;
             params.tiles = tiles_p;
             params.num_tiles = nt_p;
-            params.max_tiles = max_tiles as u32;
-            self.launch("qmoe_route", &params, (1, 1), 1024, 0)?;
-            self.launch(
-                &format!("qmoe_prefill_gate_up_{suffix}"),
-                &params,
-                (i.div_ceil(32) as u32, max_tiles as u32),
-                NTHREADS,
-                self.prefill_smem(h, es),
-            )?;
-            self.launch(
-                &format!("qmoe_prefill_down_{suffix}"),
-                &params,
-                (h.div_ceil(PRE_ROWS) as u32, max_tiles as u32),
-                NTHREADS,
-                self.prefill_smem(i, es),
-            )?;
-            self.launch(
-                &format!("qmoe_combine_{suffix}"),
-                &params,
-                (h.div_ceil(4 * NTHREADS as usize) as u32, t as u32),
-                NTHREADS,
-                0,
-            )?;
+            for t0 in (0..t).step_by(pass) {
+                let tc = pass.min(t - t0);
+                let max_tiles = (tc * k).div_ceil(PRE_PAIRS) + self.num_experts.min(tc * k);
+                params.x = x + (t0 * h * es) as u64;
+                params.ids = ids + (t0 * k * 4) as u64;
+                params.route_w = route_w + (t0 * k * 4) as u64;
+                params.out = out_p + (t0 * h * es) as u64;
+                params.t = tc as u32;
+                params.max_tiles = max_tiles as u32;
+                self.launch("qmoe_route", &params, (1, 1), 1024, 0)?;
+                self.launch(
+                    &format!("qmoe_prefill_gate_up_{suffix}"),
+                    &params,
+                    (i.div_ceil(32) as u32, max_tiles as u32),
+                    NTHREADS,
+                    self.prefill_smem(h, es),
+                )?;
+                self.launch(
+                    &format!("qmoe_prefill_down_{suffix}"),
+                    &params,
+                    (h.div_ceil(PRE_ROWS) as u32, max_tiles as u32),
+                    NTHREADS,
+                    self.prefill_smem(i, es),
+                )?;
+                self.launch(
+                    &format!("qmoe_combine_{suffix}"),
+                    &params,
+                    (h.div_ceil(4 * NTHREADS as usize) as u32, tc as u32),
+                    NTHREADS,
+                    0,
+                )?;
+            }
         }
+        drop(out_guard);
         Ok(out)
     }
 }
