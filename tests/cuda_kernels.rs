@@ -10,18 +10,22 @@
 //! (dtype-rounded) activations by relative L2 error; it also checks that a second run is
 //! bit-identical and, for some cases, that a permuted expert → slot table gives the same result.
 //!
+//! `graph::moe_decode_step` captures a whole decode step of a MoE layer (router, softmax, top-k on
+//! the device, both decode kernels) into a CUDA graph, which fails on any host synchronisation,
+//! and replays it on new inputs written in place.
+//!
 //! The `resident::` cases run the CUDA residency backend (a bounded slot arena filled through
 //! pinned staging and a copy stream) over a sequence of routings and require the bits of full
 //! residency at every capacity, and the CPU-hybrid result within the dtype's tolerance.
 
 use std::sync::Arc;
 
-use candle::{DType, Device, Tensor};
+use candle::{DType, Device, Module, Tensor};
 use candle_qmoe::kernels::cuda::{CudaPath, DeviceExperts, PREFILL_PASS_TOKENS};
 use candle_qmoe::pack::{ExpertLayout, GroupSize};
 use candle_qmoe::residency::{HybridMode, Residency, ResidencyOptions, Resident};
 use candle_qmoe::synthetic::{gaussian, random_layer_pack, random_routing};
-use candle_qmoe::{Int4Experts, RoutedExperts};
+use candle_qmoe::{Int4Experts, RoutedExperts, SparseMoe};
 use libtest_mimic::{Arguments, Failed, Trial};
 
 /// How a case's expert ids are drawn.
@@ -424,6 +428,73 @@ fn ptx_checks() -> Result<(), Failed> {
     Ok(())
 }
 
+/// A decode step of a MoE layer at the OLMoE shape (T = 1, BF16) captured into a CUDA graph and
+/// replayed on two new inputs written into the captured input buffer: each replay must give
+/// the bits of an eager call on that input.
+fn run_graph_capture(seed: u64) -> Result<(), Failed> {
+    use candle::cuda_backend::cudarc::driver::sys::{
+        CUgraphInstantiate_flags, CUstreamCaptureMode,
+    };
+    // A device of its own: no second stream on its context, so cudarc records no events.
+    let dev = Device::new_cuda(0)?;
+    let (hidden, inter, experts, k) = (2048, 1024, 64, 8);
+    let layout = ExpertLayout {
+        hidden,
+        intermediate: inter,
+        group_size: GroupSize::new(128)?,
+    };
+    let pack = random_layer_pack(seed, layout, experts)?;
+    let router = Tensor::from_vec(
+        gaussian(seed ^ 1, experts * hidden, 0.05),
+        (experts, hidden),
+        &dev,
+    )?
+    .to_dtype(DType::BF16)?;
+    let moe = SparseMoe::new(
+        candle_nn::Linear::new(router, None),
+        Arc::new(Int4Experts::new(pack)),
+        k,
+        false,
+        None,
+    )?;
+    let input = |s: u64| -> candle::Result<Tensor> {
+        Tensor::from_vec(gaussian(s, hidden, 1.0), (1, hidden), &dev)?.to_dtype(DType::BF16)
+    };
+    let bits = |t: &Tensor| -> candle::Result<Vec<u32>> {
+        let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        Ok(v.into_iter().map(f32::to_bits).collect())
+    };
+    let x = input(seed ^ 2)?;
+    let out = moe.forward(&x)?.zeros_like()?; // the eager call uploads the slabs, loads modules
+    let stream = dev.as_cuda_device()?.cuda_stream();
+    stream.synchronize().map_err(|e| format!("{e:?}"))?;
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .map_err(|e| format!("begin capture: {e:?}"))?;
+    let captured = moe.forward(&x).and_then(|y| out.slice_set(&y, 0, 0));
+    let graph = stream
+        .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+        .map_err(|e| format!("end capture (a host synchronisation inside?): {e:?}"))?;
+    captured.map_err(|e| format!("the captured decode step failed: {e}"))?;
+    let graph = graph.ok_or("the capture recorded nothing")?;
+    for s in [seed ^ 3, seed ^ 4] {
+        let x_new = input(s)?;
+        x.slice_set(&x_new, 0, 0)?;
+        graph.launch().map_err(|e| format!("graph launch: {e:?}"))?;
+        let got = bits(&out)?;
+        let want = bits(&moe.forward(&x_new)?)?;
+        if got != want {
+            let diff = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+            return Err(format!(
+                "graph replay differs from the eager call in {diff} of {hidden} outputs"
+            )
+            .into());
+        }
+    }
+    eprintln!("graph: a T = 1 MoE decode step captured and replayed bit-exactly");
+    Ok(())
+}
+
 /// `ptxas` of the CUDA toolkit (`$CUDA_HOME/bin/ptxas`, else on PATH), when there is one.
 fn ptxas() -> Option<std::path::PathBuf> {
     let candidates = std::env::var_os("CUDA_HOME")
@@ -530,6 +601,10 @@ fn main() {
             .with_ignored_flag(ignored),
         );
     }
+    trials.push(
+        Trial::test("graph::moe_decode_step", || run_graph_capture(9000))
+            .with_ignored_flag(device.is_err()),
+    );
     let resident = [1usize, 4, 12, 40]
         .into_iter()
         .flat_map(|t| [4usize, 9, 16].map(move |c| (t, c, HybridMode::Off)))
