@@ -199,13 +199,21 @@ fn layer_sweep(args: &Args, device: &Device) -> Result<Vec<Value>> {
 
 const PROMPT: [u32; 8] = [510, 3158, 8516, 30013, 27287, 689, 253, 22658];
 
-fn model_sweep(args: &Args, device: &Device) -> Result<Vec<Value>> {
+/// Decodes each synthetic model at full residency, then through bounded caches; every row is
+/// appended to `doc["models"]` and saved at once, so a run cut short keeps what it measured.
+fn model_sweep(args: &Args, device: &Device, doc: &mut Value) -> Result<()> {
     let dtype = if device.is_cuda() {
         DType::BF16
     } else {
         DType::F32
     };
-    let mut rows = Vec::new();
+    doc["models"] = json!([]);
+    let push = |doc: &mut Value, row: Value| -> Result<()> {
+        if let Some(rows) = doc["models"].as_array_mut() {
+            rows.push(row);
+        }
+        save(args, doc)
+    };
     for name in &args.models {
         let shape = SHAPES
             .iter()
@@ -214,11 +222,12 @@ fn model_sweep(args: &Args, device: &Device) -> Result<Vec<Value>> {
         let synth = SyntheticModel::new(shape.kind, 42, GroupSize::default())?;
         let mut full = synth.load(dtype, device, &synth.int4_experts())?;
         let reference = generate(&mut full, &PROMPT, args.sample_len, &[], argmax, |_| Ok(()))?;
-        rows.push(json!({
+        let row = json!({
             "model": name, "capacity": shape.experts, "cache": false, "prefetch": false,
             "hybrid": "off", "decode_tokens_per_s": reference.decode_tokens_per_s(),
             "tokens_identical": true, "device_used_bytes": device_used_bytes(device),
-        }));
+        });
+        push(doc, row)?;
         drop(full);
         let caps: Vec<usize> = match args.quick {
             true => vec![
@@ -279,11 +288,11 @@ fn model_sweep(args: &Args, device: &Device) -> Result<Vec<Value>> {
                     s.h2d_bytes as f64 / 1e6,
                     g.tokens == reference.tokens
                 );
-                rows.push(row);
+                push(doc, row)?;
             }
         }
     }
-    Ok(rows)
+    Ok(())
 }
 
 fn save(args: &Args, doc: &Value) -> Result<()> {
@@ -316,8 +325,7 @@ fn main() -> Result<()> {
     doc["layer_traces"] = json!(layer_sweep(&args, &device)?);
     save(&args, &doc)?;
     if !args.models.iter().any(|m| m == "none") {
-        doc["models"] = json!(model_sweep(&args, &device)?);
-        save(&args, &doc)?;
+        model_sweep(&args, &device, &mut doc)?;
     }
     Ok(())
 }

@@ -13,7 +13,7 @@
 #
 #   run(command="bash scripts/gpu-check.sh run", carry=["target/gpu-carry"], timeout_s=590)
 #
-# The tests get at most 120 s, the kernel check at most 300 s, the residency sweep (bounded
+# The tests get at most 120 s, the kernel check at most 240 s, the residency sweep (bounded
 # expert caches on the synthetic OLMoE/Qwen shapes, layer traces and model decoding) at most
 # 150 s (QMOE_TEST_TIMEOUT, QMOE_CHECK_TIMEOUT, QMOE_SWEEP_TIMEOUT). Extra arguments after `run`
 # go to gpu_check (e.g. `--quick`). The JSON goes to $OUT/gpu_check.json and
@@ -58,12 +58,15 @@ build() {
         mkdir -p "$CARRY/libs"
         cp -L "$CUDA_HOME/lib64/libcudart.so.13" "$CARRY/libs/"
     fi
-    local total
-    total=$(du -cb "$CARRY" | tail -1 | cut -f1)
+    # What travels: the tracked and untracked-but-not-ignored files, plus the carry folder.
+    local carry tree total
+    carry=$(du -cb "$CARRY" | tail -1 | cut -f1)
+    tree=$(git ls-files -co --exclude-standard -z | du --files0-from=- -cb 2>/dev/null | tail -1 | cut -f1)
+    total=$((carry + tree))
     ls -l "$CARRY"
-    echo "gpu-check: carry $CARRY is $total bytes (limit $LIMIT), commit $(cat "$CARRY/COMMIT")"
+    echo "gpu-check: carry $carry + working tree $tree = $total bytes (limit $LIMIT), commit $(cat "$CARRY/COMMIT")"
     if [ "$total" -ge "$LIMIT" ]; then
-        echo "gpu-check: carry folder too large" >&2
+        echo "gpu-check: carry folder plus working tree too large" >&2
         exit 1
     fi
 }
@@ -79,8 +82,9 @@ find_lib() {
         fi
     done
     local hit
-    hit=$(find /opt /usr/local /usr/lib /root -maxdepth 9 -name "$name" -not -path '*stubs*' 2>/dev/null |
-        head -1 || true)
+    # Never a stub, nor a forward-compatibility libcuda (it must match the kernel driver).
+    hit=$(find /opt /usr/local /usr/lib /root -maxdepth 9 -name "$name" -not -path '*stubs*' \
+        -not -path '*compat*' 2>/dev/null | head -1 || true)
     if [ -n "$hit" ]; then
         dirname "$hit"
         return 0
@@ -104,7 +108,9 @@ run() {
     local libpath="" lib dir
     local libs=("${LIBS[@]}")
     # The driver's libcuda.so.1 is normally in the loader cache; search for it only if not.
-    if ! ldconfig -p 2>/dev/null | grep -q "libcuda.so.1 "; then
+    # (grep reads all of ldconfig's output: `grep -q` in a pipe could end it early, and pipefail
+    # would then report a miss.)
+    if ! grep -q "libcuda.so.1 " <<<"$(ldconfig -p 2>/dev/null)"; then
         libs+=(libcuda.so.1)
     fi
     for lib in "${libs[@]}"; do
@@ -135,11 +141,11 @@ run() {
     rc_tests=$?
     grep -E "^test result|FAILED|failed|panicked|SKIPPED" "$OUT/tests.log" | tail -20
     echo "gpu-check: check (gpu_check)"
-    timeout "${QMOE_CHECK_TIMEOUT:-300}" "$work/gpu_check" --json "$OUT/gpu_check.json" \
+    timeout "${QMOE_CHECK_TIMEOUT:-240}" "$work/gpu_check" --json "$OUT/gpu_check.json" \
         --json "bench/results/gpu-check-$(date -u +%F)-${QMOE_COMMIT:0:12}.json" \
         --commit "$QMOE_COMMIT" "$@" \
-        2>"$OUT/gpu_check.log"
-    rc_check=$?
+        2>"$OUT/gpu_check.log" | tee "$OUT/gpu_check.txt"
+    rc_check=${PIPESTATUS[0]}
     echo "gpu-check: residency sweep (residency_sweep)"
     timeout "${QMOE_SWEEP_TIMEOUT:-150}" "$work/residency_sweep" --json "$OUT/residency_sweep.json" \
         --trace-tokens 128 --models olmoe,qwen2moe --quick -n 16 2>"$OUT/residency_sweep.log"
