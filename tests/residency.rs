@@ -319,6 +319,24 @@ fn a_prefetch_is_published_with_the_next_step() {
 }
 
 #[test]
+fn a_step_served_in_chunks_counts_each_resident_expert_once() {
+    // As the CUDA backend serves a call in chunks of tokens whose experts fit the cache.
+    let (_res, experts) = layer(options(Resident::Uniform(K), PolicyKind::Lru));
+    let mut store = experts.store(); // experts 0..K resident
+    store.begin_step(&[0, 1, 2, 9], false);
+    store.ensure(&[0, 1, 2]).unwrap();
+    store.ensure(&[1, 2, 9]).unwrap(); // 1 and 2 stayed resident: counted already
+    let s = store.stats().clone();
+    assert_eq!(
+        (s.hits, s.misses, s.h2d_bytes),
+        (3, 1, layout().slab_bytes() as u64)
+    );
+    store.begin_step(&[1, 9], false);
+    store.ensure(&[1, 9]).unwrap(); // a new step counts again
+    assert_eq!((store.stats().hits, store.stats().misses), (5, 1));
+}
+
+#[test]
 fn admission_refuses_profiles_that_cannot_work() {
     let err = |opts: ResidencyOptions| {
         Residency::new(opts)

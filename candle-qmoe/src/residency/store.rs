@@ -91,6 +91,8 @@ pub struct ExpertStore<B: MemoryBackend> {
     policy: Box<dyn EvictionPolicy>,
     tick: u64,
     prefetched: Vec<bool>,
+    /// Experts already counted as a hit or a miss in the current step.
+    counted: Vec<bool>,
     unpublished: Vec<B::Event>,
     stats: ResidencyStats,
 }
@@ -148,6 +150,7 @@ impl<B: MemoryBackend> ExpertStore<B> {
             policy: policy.build(e),
             tick: 0,
             prefetched: vec![false; e],
+            counted: vec![false; e],
             unpublished: Vec::new(),
             stats: ResidencyStats::default(),
         };
@@ -198,6 +201,7 @@ impl<B: MemoryBackend> ExpertStore<B> {
     /// experts that are not resident to be computed from the host source (counted as misses
     /// and hybrid computations). Returns that mark per expert.
     pub fn begin_step(&mut self, routed: &[usize], misses_on_cpu: bool) -> Vec<bool> {
+        self.counted.fill(false);
         for &e in routed {
             if std::mem::take(&mut self.prefetched[e]) {
                 self.stats.prefetch_used += 1;
@@ -221,7 +225,9 @@ impl<B: MemoryBackend> ExpertStore<B> {
     }
 
     /// Makes `experts` (distinct, at most `capacity`) resident and publishes the table kernels
-    /// read from now on; counts hits and misses.
+    /// read from now on; counts misses (copies) and, once per step (since
+    /// [`ExpertStore::begin_step`]), hits, so a step served in several calls (chunks of tokens)
+    /// counts an expert that stays resident between them once.
     pub fn ensure(&mut self, experts: &[usize]) -> candle::Result<()> {
         self.copy_in(experts, Copy::Miss)
     }
@@ -277,7 +283,9 @@ impl<B: MemoryBackend> ExpertStore<B> {
             self.tick += 1;
             if pending[e] != NOT_RESIDENT {
                 if kind == Copy::Miss {
-                    self.stats.hits += 1;
+                    if !std::mem::replace(&mut self.counted[e], true) {
+                        self.stats.hits += 1;
+                    }
                     self.policy.on_access(e, self.tick);
                 }
                 continue;
@@ -315,6 +323,7 @@ impl<B: MemoryBackend> ExpertStore<B> {
             match kind {
                 Copy::Preload => self.stats.preload_bytes += bytes,
                 Copy::Miss => {
+                    self.counted[e] = true;
                     self.stats.misses += 1;
                     self.stats.h2d_bytes += bytes;
                 }
