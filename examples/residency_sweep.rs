@@ -145,13 +145,12 @@ fn layer_trace(
     let elapsed = start.elapsed().as_secs_f64();
     let s = res.stats().since(&before);
     let measured = (tokens - warm) as f64;
-    let (hits, misses) = (s.hits, s.misses);
     Ok(json!({
         "shape": shape.name,
         "capacity": capacity,
         "policy": format!("{policy:?}").to_lowercase(),
         "tokens": tokens - warm,
-        "hit_rate": hits as f64 / (hits + misses).max(1) as f64,
+        "hit_rate": s.hit_rate().unwrap_or(0.0),
         "h2d_bytes_per_token": s.h2d_bytes as f64 / measured,
         "us_per_token": 1e6 * elapsed / measured,
         "stall_s": s.stall_s,

@@ -532,6 +532,16 @@ impl DeviceExperts {
         let (y_p, _y_guard) = ybuf.device_ptr_mut(stream);
         params.h = h_p;
         params.y = y_p;
+        // Points the kernels at tokens t0 .. t0 + tc of the call.
+        let set_pass = |params: &mut MoeParams, t0: usize, tc: usize| {
+            params.x = x + (t0 * h * es) as u64;
+            params.ids = ids + (t0 * k * 4) as u64;
+            params.route_w = route_w + (t0 * k * 4) as u64;
+            params.out = out_p + (t0 * h * es) as u64;
+            params.t = tc as u32;
+        };
+        // Prefill tiles of `pairs` routed rows: full tiles plus one partial tile per expert.
+        let tiles_for = |pairs: usize| pairs.div_ceil(PRE_PAIRS) + self.num_experts.min(pairs);
         if decode {
             let nt = if t <= 8 { 1 } else { 2 };
             let blocks_y = self.num_experts.min(t * k) as u32;
@@ -539,11 +549,7 @@ impl DeviceExperts {
             let mut counters = self.device.alloc_zeros::<u32>(h.div_ceil(DEC_ROWS))?;
             let (c_p, _c_guard) = counters.device_ptr_mut(stream);
             params.counters = c_p;
-            params.x = x;
-            params.ids = ids;
-            params.route_w = route_w;
-            params.out = out_p;
-            params.t = t as u32;
+            set_pass(&mut params, 0, t);
             self.launch(
                 &format!("qmoe_decode_gate_up_{suffix}_nt{nt}"),
                 &params,
@@ -559,7 +565,7 @@ impl DeviceExperts {
                 self.decode_smem(i, t, es),
             )?;
         } else {
-            let max_tiles = (pass * k).div_ceil(PRE_PAIRS) + self.num_experts.min(pass * k);
+            let max_tiles = tiles_for(pass * k);
             let mut rank = self.scratch::<u32>(stream, pass * k, false)?;
             let mut sorted = self.scratch::<u32>(stream, pass * k, poison)?;
             let mut tiles = self.scratch::<u32>(stream, 3 * max_tiles, poison)?;
@@ -574,12 +580,8 @@ impl DeviceExperts {
             params.num_tiles = nt_p;
             for t0 in (0..t).step_by(pass) {
                 let tc = pass.min(t - t0);
-                let max_tiles = (tc * k).div_ceil(PRE_PAIRS) + self.num_experts.min(tc * k);
-                params.x = x + (t0 * h * es) as u64;
-                params.ids = ids + (t0 * k * 4) as u64;
-                params.route_w = route_w + (t0 * k * 4) as u64;
-                params.out = out_p + (t0 * h * es) as u64;
-                params.t = tc as u32;
+                let max_tiles = tiles_for(tc * k);
+                set_pass(&mut params, t0, tc);
                 params.max_tiles = max_tiles as u32;
                 self.launch("qmoe_route", &params, (1, 1), 1024, 0)?;
                 self.launch(
