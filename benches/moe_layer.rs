@@ -5,47 +5,27 @@
 
 use candle::quantized::GgmlDType;
 use candle::{DType, Device, Tensor};
-use candle_qmoe::pack::{DenseExpert, ExpertLayout, GroupSize, LayerPack, ScaleSearch};
+use candle_qmoe::pack::{DenseExpert, GroupSize, LayerPack, ScaleSearch};
+use candle_qmoe::synthetic::SyntheticKind;
 use candle_qmoe::{synthetic, DenseExperts, GgmlExperts, Int4Experts, RoutedExperts};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 
-struct Shape {
-    name: &'static str,
-    hidden: usize,
-    inter: usize,
-    experts: usize,
-    k: usize,
-}
-
-const SHAPES: [Shape; 2] = [
-    Shape {
-        name: "olmoe",
-        hidden: 2048,
-        inter: 1024,
-        experts: 64,
-        k: 8,
-    },
-    Shape {
-        name: "qwen",
-        hidden: 2048,
-        inter: 1408,
-        experts: 60,
-        k: 4,
-    },
+/// The benched layer shapes: OLMoE-1B-7B and Qwen1.5-MoE-A2.7B.
+const SHAPES: [(&str, SyntheticKind); 2] = [
+    ("olmoe", SyntheticKind::Olmoe),
+    ("qwen", SyntheticKind::Qwen2Moe),
 ];
 
 fn bench_layer(c: &mut Criterion) {
     let only = std::env::var("QMOE_BENCH_SHAPES").unwrap_or_default();
-    for s in SHAPES
-        .iter()
-        .filter(|s| only.is_empty() || only.contains(s.name))
+    for (name, kind) in SHAPES
+        .into_iter()
+        .filter(|(name, _)| only.is_empty() || only.contains(name))
     {
-        let dense = synthetic::random_experts(7, s.experts, s.hidden, s.inter, 0.02).unwrap();
-        let layout = ExpertLayout {
-            hidden: s.hidden,
-            intermediate: s.inter,
-            group_size: GroupSize::default(),
-        };
+        let s = kind.moe_shape();
+        let dense =
+            synthetic::random_experts(7, s.experts, s.hidden, s.intermediate, 0.02).unwrap();
+        let layout = s.layout(GroupSize::default());
         let int4 =
             Int4Experts::new(LayerPack::quantize("l", &dense, layout, ScaleSearch::Mse).unwrap());
         let bf16: Vec<DenseExpert> = dense
@@ -64,7 +44,7 @@ fn bench_layer(c: &mut Criterion) {
             ("dense_bf16", &bf16),
             ("candle_q4_0", &q4_0),
         ];
-        let mut group = c.benchmark_group(format!("moe_layer/{}", s.name));
+        let mut group = c.benchmark_group(format!("moe_layer/{name}"));
         group.sample_size(10);
         for t in [1usize, 128] {
             let xs = Tensor::from_vec(
@@ -73,9 +53,9 @@ fn bench_layer(c: &mut Criterion) {
                 &Device::Cpu,
             )
             .unwrap();
-            let (ids, w) = synthetic::random_routing(t as u64, t, s.k, s.experts);
-            let ids = Tensor::from_vec(ids, (t, s.k), &Device::Cpu).unwrap();
-            let w = Tensor::from_vec(w, (t, s.k), &Device::Cpu).unwrap();
+            let (ids, w) = synthetic::random_routing(t as u64, t, s.top_k, s.experts);
+            let ids = Tensor::from_vec(ids, (t, s.top_k), &Device::Cpu).unwrap();
+            let w = Tensor::from_vec(w, (t, s.top_k), &Device::Cpu).unwrap();
             group.throughput(Throughput::Elements(t as u64));
             for (name, b) in backends {
                 group.bench_with_input(BenchmarkId::new(name, format!("T{t}")), &t, |bench, _| {

@@ -25,17 +25,17 @@
 //! plots decode tokens/s and H2D GB against resident experts per layer (an SVG next to the
 //! JSON). `--baseline` also runs the contract with dense BF16 experts and reports the ratios.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use candle::{DType, Device};
 use candle_qmoe::residency::Resident;
+use candle_qmoe_suite::model::{parse_arg, Experts, ModelArgs};
+use candle_qmoe_suite::perf::{
+    run_campaign, Contract, Metrics, SweepPoint, PROMPTS, WARMUP_PROMPT,
+};
 use clap::Parser;
-use common::model::{parse_arg, Experts, ModelArgs};
-use common::perf::{run_campaign, Contract, Metrics, SweepPoint, PROMPTS, WARMUP_PROMPT};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
 
@@ -114,9 +114,9 @@ fn run_one(
         .with_context(|| format!("run `{label}`"))?;
     bar.finish();
     let metrics = Metrics::new(&campaign.responses);
-    let peak_rss = common::peak_rss_bytes().filter(|_| rss_valid);
+    let peak_rss = candle_qmoe_suite::system::peak_rss_bytes().filter(|_| rss_valid);
 
-    let mut residency = common::model::residency_json(loaded.residency.as_ref());
+    let mut residency = candle_qmoe_suite::model::residency_json(loaded.residency.as_ref());
     if let (Some(r), Some(delta)) = (&loaded.residency, &campaign.residency) {
         if let Value::Object(counters) = serde_json::to_value(delta)? {
             for (k, v) in counters {
@@ -177,10 +177,10 @@ fn run_one(
         fmt_opt(d.block_spread, |v| format!("{:.1}%", 100.0 * v)),
         fmt_opt(d.ttft_mean_s, |v| format!("{v:.3} s")),
         fmt_opt(d.prefill_tokens_per_s, |v| format!("{v:.1} tok/s")),
-        fmt_opt(peak_rss, common::human_bytes),
+        fmt_opt(peak_rss, candle_qmoe::plan::format_bytes),
         loaded.residency.as_ref().map_or(String::new(), |r| format!(
             "\n  residency: {}",
-            common::model::residency_line(
+            candle_qmoe_suite::model::residency_line(
                 campaign.residency.as_ref().unwrap_or(&r.stats()),
                 &r.capacities()
             )
@@ -290,7 +290,7 @@ fn print_table(runs: &[&Run]) {
             fmt_opt(m.ttft_mean_s, |v| format!("{v:.3}")),
             fmt_opt(r.h2d_bytes, |v| format!("{:.3}", v as f64 / 1e9)),
             fmt_opt(r.hit_rate, |v| format!("{:.1}%", 100.0 * v)),
-            fmt_opt(r.peak_rss, common::human_bytes),
+            fmt_opt(r.peak_rss, candle_qmoe::plan::format_bytes),
         );
     }
 }
@@ -310,7 +310,7 @@ fn main() -> Result<()> {
         .json
         .clone()
         .unwrap_or_else(|| default_json_path(&args, &device));
-    let date = common::perf::now_rfc3339()?;
+    let date = candle_qmoe_suite::perf::now_rfc3339()?;
 
     // The INT4 runs: one per sweep residency, or the model as given.
     let mut plans: Vec<(String, ModelArgs)> = Vec::new();
@@ -328,7 +328,7 @@ fn main() -> Result<()> {
     }
     let mut runs = Vec::new();
     for (i, (label, m)) in plans.iter().enumerate() {
-        let reset = common::reset_peak_rss();
+        let reset = candle_qmoe_suite::system::reset_peak_rss();
         runs.push(run_one(
             label,
             m,
@@ -344,7 +344,7 @@ fn main() -> Result<()> {
         m.resident = None;
         m.prefetch = false;
         m.pack = None;
-        let reset = common::reset_peak_rss();
+        let reset = candle_qmoe_suite::system::reset_peak_rss();
         Some(run_one(
             "baseline bf16",
             &m,
@@ -400,9 +400,9 @@ fn main() -> Result<()> {
     let doc = json!({
         "schema": "candle-qmoe/perf-real/1",
         "date": date,
-        "commit": common::git_commit(),
+        "commit": candle_qmoe_suite::system::git_commit(),
         "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "device": common::device_json(&device),
+        "device": candle_qmoe_suite::system::device_json(&device),
         "model_id": runs[0].json["model_id"],
         "revision": runs[0].json["revision"],
         "backend": runs[0].json["backend"],
@@ -463,7 +463,7 @@ fn main() -> Result<()> {
                 .decode_tokens_per_s
                 .map(|v| ("dense BF16 baseline", v))
         });
-        common::perf::plot_sweep(&svg, &title, &points, base)?;
+        candle_qmoe_suite::perf::plot_sweep(&svg, &title, &points, base)?;
         println!("wrote {}", svg.display());
     }
     Ok(())

@@ -17,16 +17,13 @@
 //! prediction, and the device, commit, command and date. With `--table FILE` it only prints the
 //! table of such a file.
 
-mod calibration;
-mod common;
-
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use calibration::{Cache, Config, Measurement};
 use candle_qmoe::plan::{format_bytes, ExpertStorage, Plan};
 use candle_qmoe::synthetic::SyntheticKind;
+use candle_qmoe_suite::calibration::{self, Cache, Config, Measurement};
 use clap::{ArgGroup, Parser};
 use serde_json::{json, Value};
 
@@ -131,10 +128,10 @@ fn record(config: &Config, plan: &Plan, measured: &Measurement) -> Result<Value>
             "decode_s": measured.decode_s,
         },
         "inside": calibration::inside(rss, measured.peak_rss_bytes),
-        "device": { "kind": "cpu", "name": common::cpu_model() },
-        "commit": common::git_commit(),
+        "device": { "kind": "cpu", "name": candle_qmoe_suite::system::cpu_model() },
+        "commit": candle_qmoe_suite::system::git_commit(),
         "command": std::env::args().collect::<Vec<_>>().join(" "),
-        "date": common::perf::now_rfc3339()?,
+        "date": candle_qmoe_suite::perf::now_rfc3339()?,
     }))
 }
 

@@ -16,8 +16,6 @@
 //! (host memory on the CPU) and adds a residency line: hits, misses, evictions, bytes copied,
 //! prefetches (`--prefetch`) and misses computed on the CPU (`--hybrid auto|always`).
 
-mod common;
-
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -26,9 +24,9 @@ use anyhow::{bail, Context, Result};
 use candle::{DType, Device};
 use candle_qmoe::generation::{generate, Generation};
 use candle_qmoe::pack::GroupSize;
+use candle_qmoe_suite::model::{Loaded, ModelArgs};
 use candle_transformers::generation::LogitsProcessor;
 use clap::Parser;
-use common::model::{Loaded, ModelArgs};
 use serde_json::json;
 
 #[derive(Parser, Debug)]
@@ -179,7 +177,7 @@ fn report(
     device: &Device,
     load_s: f64,
 ) -> Result<()> {
-    let rss = common::peak_rss_bytes();
+    let rss = candle_qmoe_suite::system::peak_rss_bytes();
     let decode = g.decode_tokens_per_s();
     println!(
         "stats: {} prompt tokens, {:.2} tok/s | {} generated tokens, {} decode | time to first \
@@ -189,19 +187,19 @@ fn report(
         g.tokens.len(),
         decode.map_or("n/a".to_string(), |d| format!("{d:.2} tok/s")),
         g.time_to_first_token.as_secs_f64(),
-        rss.map_or("n/a".to_string(), common::human_bytes),
+        rss.map_or("n/a".to_string(), candle_qmoe::plan::format_bytes),
         g.stop
     );
     if let Some(r) = &loaded.residency {
         println!(
             "residency: {}",
-            common::model::residency_line(&r.stats(), &r.capacities())
+            candle_qmoe_suite::model::residency_line(&r.stats(), &r.capacities())
         );
     }
     if let Some(path) = &args.stats_json {
         let stats = json!({
-            "cpu": common::cpu_model(),
-            "commit": common::git_commit(),
+            "cpu": candle_qmoe_suite::system::cpu_model(),
+            "commit": candle_qmoe_suite::system::git_commit(),
             "command": std::env::args().collect::<Vec<_>>().join(" "),
             "model_id": loaded.model_id,
             "revision": loaded.revision,
@@ -223,7 +221,7 @@ fn report(
             "top_p": args.top_p,
             "repeat_penalty": args.repeat_penalty,
             "token_ids": g.tokens,
-            "residency": common::model::residency_json(loaded.residency.as_ref()),
+            "residency": candle_qmoe_suite::model::residency_json(loaded.residency.as_ref()),
         });
         std::fs::write(path, serde_json::to_string_pretty(&stats)? + "\n")
             .with_context(|| format!("cannot write `{}`", path.display()))?;

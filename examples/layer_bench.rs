@@ -6,16 +6,16 @@
 //! cargo run --release --example layer_bench -- --shape olmoe --tokens 1
 //! ```
 
-mod common;
-
 use std::time::Instant;
 
 use anyhow::{bail, Result};
 use candle::quantized::GgmlDType;
 use candle::{DType, Device, Tensor};
 use candle_qmoe::kernels::cpu::CpuIsa;
-use candle_qmoe::pack::{DenseExpert, ExpertLayout, GroupSize, LayerPack, ScaleSearch};
+use candle_qmoe::pack::{DenseExpert, GroupSize, LayerPack, ScaleSearch};
+use candle_qmoe::synthetic::{MoeShape, SyntheticKind};
 use candle_qmoe::{synthetic, DenseExperts, GgmlExperts, Int4Experts, RoutedExperts};
+use candle_qmoe_suite::testing::{rel_err, values_f64};
 use clap::{Parser, ValueEnum};
 use rayon::prelude::*;
 use serde_json::json;
@@ -26,6 +26,16 @@ enum Shape {
     Olmoe,
     /// Qwen1.5-MoE-A2.7B: H 2048, I 1408, 60 experts, top-4.
     Qwen,
+}
+
+impl Shape {
+    /// The name in evidence files and the synthetic model with this layer shape.
+    fn model(self) -> (&'static str, SyntheticKind) {
+        match self {
+            Self::Olmoe => ("olmoe", SyntheticKind::Olmoe),
+            Self::Qwen => ("qwen1.5-moe", SyntheticKind::Qwen2Moe),
+        }
+    }
 }
 
 #[derive(Parser, Debug)]
@@ -51,17 +61,14 @@ struct Args {
     json: Option<std::path::PathBuf>,
 }
 
+/// `‖a − b‖ / ‖b‖` of two tensors, in f64.
+fn tensor_rel_err(a: &Tensor, b: &Tensor) -> Result<f64> {
+    Ok(rel_err(&values_f64(a)?, &values_f64(b)?))
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
-}
-
-fn rel_err(a: &Tensor, b: &Tensor) -> Result<f64> {
-    let d = (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?
-        .sqr()?
-        .sum_all()?;
-    let n = b.to_dtype(DType::F64)?.sqr()?.sum_all()?;
-    Ok((d.to_scalar::<f64>()? / n.to_scalar::<f64>()?).sqrt())
 }
 
 /// Bytes/s of a parallel read (sum) and a parallel copy over a buffer far larger than caches.
@@ -94,20 +101,19 @@ fn memory_bandwidth() -> (f64, f64) {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let (name, hidden, inter, experts, k) = match args.shape {
-        Shape::Olmoe => ("olmoe", 2048, 1024, 64, 8),
-        Shape::Qwen => ("qwen1.5-moe", 2048, 1408, 60, 4),
-    };
+    let (name, kind) = args.shape.model();
+    let MoeShape {
+        hidden,
+        intermediate: inter,
+        experts,
+        top_k: k,
+    } = kind.moe_shape();
     let t = args.tokens;
     if t == 0 {
         bail!("--tokens must be at least 1");
     }
     let iters = args.iters.unwrap_or(if t <= 8 { 30 } else { 6 });
-    let layout = ExpertLayout {
-        hidden,
-        intermediate: inter,
-        group_size: GroupSize::new(args.group_size)?,
-    };
+    let layout = kind.moe_shape().layout(GroupSize::new(args.group_size)?);
     let dev = Device::Cpu;
     eprintln!("building {experts} random experts (std 0.02) at H {hidden}, I {inter}…");
     let dense = synthetic::random_experts(args.seed, experts, hidden, inter, 0.02)?;
@@ -157,11 +163,11 @@ fn main() -> Result<()> {
     let deq = DenseExperts::new(pack.dequantize_experts(DType::F32, &dev)?)?;
     let deq_out = deq.forward(xs, ids, w)?;
     let exact = f32_experts.forward(xs, ids, w)?;
-    let kernel_rel_err = rel_err(&int4.forward(xs, ids, w)?, &deq_out)?;
-    let quant_rel_err = rel_err(&deq_out, &exact)?;
+    let kernel_rel_err = tensor_rel_err(&int4.forward(xs, ids, w)?, &deq_out)?;
+    let quant_rel_err = tensor_rel_err(&deq_out, &exact)?;
     let rtn_out =
         DenseExperts::new(rtn.dequantize_experts(DType::F32, &dev)?)?.forward(xs, ids, w)?;
-    let rtn_quant_rel_err = rel_err(&rtn_out, &exact)?;
+    let rtn_quant_rel_err = tensor_rel_err(&rtn_out, &exact)?;
     drop((deq, rtn));
 
     let mut backends: Vec<(&str, &dyn RoutedExperts)> = vec![
@@ -204,7 +210,7 @@ fn main() -> Result<()> {
     let (read_gb_per_s, copy_gb_per_s) = memory_bandwidth();
     let get = |n: &str| backends.iter().position(|(b, _)| *b == n).map(|i| ms[i]);
     let line = json!({
-        "device": common::cpu_model(), "commit": common::git_commit(),
+        "device": candle_qmoe_suite::system::cpu_model(), "commit": candle_qmoe_suite::system::git_commit(),
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "shape": name, "hidden": hidden, "intermediate": inter, "experts": experts, "top_k": k,
         "tokens": t, "group_size": args.group_size, "cpu_isa": format!("{:?}", CpuIsa::detect()),

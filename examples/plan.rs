@@ -14,8 +14,6 @@
 //! that fit are chosen; with both, the given residency is checked against the budget. A budget
 //! that cannot fit is refused with the component that does not fit and what would fit.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
@@ -26,8 +24,8 @@ use candle_qmoe::plan::{
 };
 use candle_qmoe::residency::Resident;
 use candle_qmoe::synthetic::SyntheticKind;
+use candle_qmoe_suite::model::{parse_arg, parse_budget, Dtype, Experts};
 use clap::{ArgGroup, Parser, ValueEnum};
-use common::model::{parse_arg, parse_budget, Dtype, Experts};
 use serde_json::json;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -212,7 +210,7 @@ fn main() -> Result<()> {
         let total = plan.total();
         let report = json!({
             "source": source,
-            "commit": common::git_commit(),
+            "commit": candle_qmoe_suite::system::git_commit(),
             "command": std::env::args().collect::<Vec<_>>().join(" "),
             "model_type": spec.model_type,
             "device": target.name(),

@@ -7,8 +7,6 @@
 //! cargo run --release --example quantize -- --model-dir tests/fixtures/olmoe-tiny --out tiny.qmoe
 //! ```
 
-mod common;
-
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -60,7 +58,7 @@ fn main() -> Result<()> {
             args.out.display()
         );
     }
-    let ckpt = common::resolve_checkpoint(
+    let ckpt = candle_qmoe_suite::checkpoint::resolve_checkpoint(
         args.model_dir.as_deref(),
         &args.model_id,
         args.revision.as_deref(),
@@ -88,7 +86,7 @@ fn main() -> Result<()> {
         source_revision: ckpt.revision.clone(),
     };
     let start = Instant::now();
-    let pack = common::quantize_with_progress(&ckpt.dir, &opts)?;
+    let pack = candle_qmoe_suite::checkpoint::quantize_with_progress(&ckpt.dir, &opts)?;
     let quantized = start.elapsed();
     pack.save(&args.out)?;
     drop(pack);
@@ -102,9 +100,9 @@ fn main() -> Result<()> {
         "wrote {}: {} ({} of packed experts) for {} of BF16 experts ({:.2}×), \
          quantized in {:.1} s, total {:.1} s",
         args.out.display(),
-        common::human_bytes(file_bytes),
-        common::human_bytes(pack.total_bytes() as u64),
-        common::human_bytes(bf16_bytes),
+        candle_qmoe::plan::format_bytes(file_bytes),
+        candle_qmoe::plan::format_bytes(pack.total_bytes() as u64),
+        candle_qmoe::plan::format_bytes(bf16_bytes),
         bf16_bytes as f64 / file_bytes as f64,
         quantized.as_secs_f64(),
         start.elapsed().as_secs_f64()

@@ -16,14 +16,12 @@
 //!
 //! Writes every figure to `--json` (device, driver, commit, command) and prints tables.
 
-mod common;
-
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use candle::{DType, Device, Tensor};
 use candle_qmoe::generation::{argmax, generate};
-use candle_qmoe::pack::{ExpertLayout, GroupSize};
+use candle_qmoe::pack::GroupSize;
 use candle_qmoe::residency::{HybridMode, PolicyKind, Residency, ResidencyOptions, Resident};
 use candle_qmoe::synthetic::{
     gaussian, random_layer_pack, random_routing, skewed_routing, SyntheticKind, SyntheticModel,
@@ -58,9 +56,6 @@ struct Args {
 struct Shape {
     name: &'static str,
     kind: SyntheticKind,
-    intermediate: usize,
-    experts: usize,
-    top_k: usize,
     capacities: [usize; 5],
 }
 
@@ -68,22 +63,14 @@ const SHAPES: [Shape; 2] = [
     Shape {
         name: "olmoe",
         kind: SyntheticKind::Olmoe,
-        intermediate: 1024,
-        experts: 64,
-        top_k: 8,
         capacities: [8, 16, 32, 48, 64],
     },
     Shape {
         name: "qwen2moe",
         kind: SyntheticKind::Qwen2Moe,
-        intermediate: 1408,
-        experts: 60,
-        top_k: 4,
         capacities: [12, 20, 30, 39, 60],
     },
 ];
-
-const HIDDEN: usize = 2048;
 
 /// Bytes of device memory in use (driver's view), `None` on the CPU.
 fn device_used_bytes(device: &Device) -> Option<u64> {
@@ -110,22 +97,24 @@ fn layer_trace(
     capacity: usize,
     policy: PolicyKind,
 ) -> Result<Value> {
+    let moe = shape.kind.moe_shape();
     let res = Residency::new(ResidencyOptions {
         resident: Resident::Uniform(capacity),
         policy,
         ..Default::default()
     });
-    let experts = res.layer(0, shape.top_k, pack.clone(), device)?;
+    let experts = res.layer(0, moe.top_k, pack.clone(), device)?;
     let dtype = if device.is_cuda() {
         DType::BF16
     } else {
         DType::F32
     };
-    let tokens = ids.len() / shape.top_k;
-    let x = Tensor::from_vec(gaussian(5, HIDDEN, 1.0), (1, HIDDEN), device)?.to_dtype(dtype)?;
+    let tokens = ids.len() / moe.top_k;
+    let x =
+        Tensor::from_vec(gaussian(5, moe.hidden, 1.0), (1, moe.hidden), device)?.to_dtype(dtype)?;
     let w = Tensor::from_vec(
-        vec![1.0f32 / shape.top_k as f32; shape.top_k],
-        (1, shape.top_k),
+        vec![1.0f32 / moe.top_k as f32; moe.top_k],
+        (1, moe.top_k),
         device,
     )?;
     let warm = tokens / 8;
@@ -137,8 +126,8 @@ fn layer_trace(
             start = Instant::now();
             before = res.stats();
         }
-        let row = Tensor::new(&ids[t * shape.top_k..(t + 1) * shape.top_k], device)?
-            .reshape((1, shape.top_k))?;
+        let row = Tensor::new(&ids[t * moe.top_k..(t + 1) * moe.top_k], device)?
+            .reshape((1, moe.top_k))?;
         experts.forward(&x, &row, &w)?;
     }
     synchronize(device)?;
@@ -161,14 +150,11 @@ fn layer_trace(
 fn layer_sweep(args: &Args, device: &Device) -> Result<Vec<Value>> {
     let mut rows = Vec::new();
     for shape in &SHAPES {
-        let layout = ExpertLayout {
-            hidden: HIDDEN,
-            intermediate: shape.intermediate,
-            group_size: GroupSize::default(),
-        };
-        let pack = random_layer_pack(17, layout, shape.experts)?;
-        let (uniform, _) = random_routing(3, args.trace_tokens, shape.top_k, shape.experts);
-        let skewed = skewed_routing(3, args.trace_tokens, shape.top_k, shape.experts, 1.0, 0.5);
+        let moe = shape.kind.moe_shape();
+        let layout = moe.layout(GroupSize::default());
+        let pack = random_layer_pack(17, layout, moe.experts)?;
+        let (uniform, _) = random_routing(3, args.trace_tokens, moe.top_k, moe.experts);
+        let skewed = skewed_routing(3, args.trace_tokens, moe.top_k, moe.experts, 1.0, 0.5);
         for (trace, ids) in [("uniform", &uniform), ("skewed", &skewed)] {
             let policies: &[PolicyKind] = match trace {
                 "uniform" => &[PolicyKind::Lru],
@@ -218,11 +204,12 @@ fn model_sweep(args: &Args, device: &Device, doc: &mut Value) -> Result<()> {
             .iter()
             .find(|s| s.name == name)
             .with_context(|| format!("unknown model `{name}` (olmoe, qwen2moe)"))?;
+        let moe = shape.kind.moe_shape();
         let synth = SyntheticModel::new(shape.kind, 42, GroupSize::default())?;
         let mut full = synth.load(dtype, device, &synth.int4_experts())?;
         let reference = generate(&mut full, &PROMPT, args.sample_len, &[], argmax, |_| Ok(()))?;
         let row = json!({
-            "model": name, "capacity": shape.experts, "cache": false, "prefetch": false,
+            "model": name, "capacity": moe.experts, "cache": false, "prefetch": false,
             "hybrid": "off", "decode_tokens_per_s": reference.decode_tokens_per_s(),
             "tokens_identical": true, "device_used_bytes": device_used_bytes(device),
         });
@@ -237,7 +224,7 @@ fn model_sweep(args: &Args, device: &Device, doc: &mut Value) -> Result<()> {
             false => shape.capacities.to_vec(),
         };
         for &capacity in &caps {
-            let variants: &[(bool, HybridMode)] = match capacity == shape.experts {
+            let variants: &[(bool, HybridMode)] = match capacity == moe.experts {
                 true => &[(false, HybridMode::Off)],
                 false => &[
                     (false, HybridMode::Off),
@@ -314,8 +301,8 @@ fn main() -> Result<()> {
     };
     let mut doc = json!({
         "schema": "candle-qmoe/residency-sweep/1",
-        "device": common::device_json(&device),
-        "commit": std::env::var("QMOE_COMMIT").ok().or_else(common::git_commit),
+        "device": candle_qmoe_suite::system::device_json(&device),
+        "commit": std::env::var("QMOE_COMMIT").ok().or_else(candle_qmoe_suite::system::git_commit),
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "trace_note": "uniform = random_routing (what random weights produce); skewed = \
                        skewed_routing(seed 3, zipf 1.0, reuse 0.5); first 1/8 of each trace \

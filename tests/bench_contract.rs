@@ -1,18 +1,15 @@
-//! The PERF-REAL contract of `examples/bench.rs` (examples/common/perf.rs): the metric
+//! The PERF-REAL contract of `examples/bench.rs` ([`candle_qmoe_suite::perf`]): the metric
 //! arithmetic, the residency counters of the measured responses, the date, the sweep plot, and
 //! one shrunk campaign end to end on the synthetic tiny model.
 
-#[path = "../examples/common/mod.rs"]
-mod excommon;
-
 use candle::DType;
 use candle_qmoe::residency::ResidencyStats;
-use clap::Parser;
-use excommon::model::ModelArgs;
-use excommon::perf::{
+use candle_qmoe_suite::model::ModelArgs;
+use candle_qmoe_suite::perf::{
     decode_rate, plot_sweep, relative_spread, rfc3339_utc, run_campaign, suppression_mask,
     Contract, Metrics, Response, SweepPoint, DECODE_LABEL, H2D_LABEL, X_LABEL,
 };
+use clap::Parser;
 
 fn response(
     prompt: usize,

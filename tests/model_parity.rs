@@ -2,8 +2,6 @@
 //! (`tests/fixtures/{olmoe,qwen2moe}-tiny`, BF16 weights, golden computed in float32), plus the
 //! ports' handling of bad input.
 
-mod common;
-
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -17,7 +15,7 @@ use candle_qmoe::parity::{
     compare_prompt, greedy_continuation, logit_agreement, topk_sets, Golden, PromptParity,
 };
 use candle_qmoe::{GroupSize, ScaleSearch};
-use common::{fixture_dir, golden_prompt_count, load_golden};
+use candle_qmoe_suite::testing::{fixture_dir, golden_prompt_count, load_golden};
 
 const FIXTURES: [&str; 2] = ["olmoe-tiny", "qwen2moe-tiny"];
 /// Dense F32 compute from the BF16 weights must reproduce transformers' float32 logits to this.

@@ -1,8 +1,6 @@
 //! `.qmoe` packs made from a checkpoint: quantize → write → open → load gives the same model as
 //! quantizing at load time, and a pack is refused by any other checkpoint.
 
-mod common;
-
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -14,7 +12,7 @@ use candle_qmoe::models::{
 };
 use candle_qmoe::pack::{GroupSize, LayerPack, PackFile, PackMeta};
 use candle_qmoe::synthetic::{SyntheticKind, SyntheticModel};
-use common::fixture_dir;
+use candle_qmoe_suite::testing::fixture_dir;
 
 const FIXTURES: [&str; 2] = ["olmoe-tiny", "qwen2moe-tiny"];
 

@@ -2,14 +2,12 @@
 //! arithmetic, and perfect numbers for the dense F32 ports on the fixtures. (The INT4 thresholds
 //! are asserted with the same metrics in `model_parity.rs`.)
 
-mod common;
-
 use std::collections::HashMap;
 
 use candle::{DType, Device, Tensor};
 use candle_qmoe::models::{self, AnyConfig, ExpertsBackend, MoeForCausalLm};
 use candle_qmoe::parity::{compare, logit_agreement, router_agreement, Golden};
-use common::fixture_dir;
+use candle_qmoe_suite::testing::fixture_dir;
 
 #[test]
 fn logit_agreement_arithmetic() {

@@ -1,8 +1,6 @@
 //! Memory plan and fit: every component of the tiny fixture configs against byte counts worked
 //! out by hand, the fit's choice and refusals, budget parsing, and the real models' configs.
 
-mod common;
-
 use candle::DType;
 use candle_qmoe::models::{AnyConfig, ModelConfig, ModelSpec};
 use candle_qmoe::pack::GroupSize;
@@ -12,7 +10,7 @@ use candle_qmoe::plan::{
 };
 use candle_qmoe::residency::Resident;
 use candle_qmoe::synthetic::SyntheticKind;
-use common::fixture_dir;
+use candle_qmoe_suite::testing::fixture_dir;
 
 const MIB: u64 = 1 << 20;
 

@@ -1,12 +1,15 @@
 //! The INT4 CPU kernel and the dense oracle against an f64 reference on random inputs.
-
-mod common;
+//!
+//! The INT4 kernel is checked on every instruction-set path of the CPU kernel: the portable one
+//! (forced) and each SIMD path this CPU has. A path the CPU lacks is reported as **ignored**
+//! (counted in the summary line, never as passed) with a `SKIPPED` banner saying why.
 
 use candle::{Device, Tensor};
 use candle_qmoe::kernels::cpu::CpuIsa;
 use candle_qmoe::pack::{ExpertLayout, GroupSize, LayerPack, ScaleSearch};
 use candle_qmoe::{DenseExperts, Int4Experts, RoutedExperts};
-use common::{random_experts, random_routing, reference_f64, rel_err, Rng};
+use candle_qmoe_suite::testing::{random_experts, random_routing, reference_f64, rel_err, Rng};
+use libtest_mimic::{Arguments, Failed, Trial};
 
 struct Case {
     hidden: usize,
@@ -17,7 +20,80 @@ struct Case {
     group: usize,
 }
 
-fn run(case: &Case, seed: u64) {
+/// Edge shapes: K not a multiple of the group (1408 = 5.5 × 256), K < group, K = group + 1
+/// chunk, a single intermediate row.
+const EDGE_CASES: [Case; 5] = [
+    Case {
+        hidden: 256,
+        inter: 176,
+        experts: 6,
+        k: 2,
+        tokens: 5,
+        group: 256,
+    },
+    Case {
+        hidden: 64,
+        inter: 40,
+        experts: 4,
+        k: 4,
+        tokens: 9,
+        group: 128,
+    },
+    Case {
+        hidden: 160,
+        inter: 96,
+        experts: 5,
+        k: 3,
+        tokens: 1,
+        group: 64,
+    },
+    Case {
+        hidden: 96,
+        inter: 33,
+        experts: 3,
+        k: 1,
+        tokens: 7,
+        group: 32,
+    },
+    Case {
+        hidden: 32,
+        inter: 1,
+        experts: 2,
+        k: 2,
+        tokens: 3,
+        group: 32,
+    },
+];
+
+/// Qwen1.5-MoE's down-projection width (1408) and hidden 512, prefill-sized token count.
+const MODEL_LIKE: Case = Case {
+    hidden: 512,
+    inter: 1408,
+    experts: 8,
+    k: 4,
+    tokens: 24,
+    group: 128,
+};
+
+/// Which routed-experts implementation a trial checks.
+#[derive(Clone, Copy, Debug)]
+enum Backend {
+    /// The dense oracle in F32 on the dequantized experts.
+    Dense,
+    /// The INT4 kernel on one instruction-set path.
+    Int4(CpuIsa),
+}
+
+/// One case's pack, inputs and f64 reference.
+struct Inputs {
+    pack: LayerPack,
+    xs: Tensor,
+    ids: Tensor,
+    w: Tensor,
+    want: Vec<f64>,
+}
+
+fn inputs(case: &Case, seed: u64) -> Inputs {
     let mut rng = Rng::new(seed);
     let experts = random_experts(&mut rng, case.experts, case.hidden, case.inter);
     let layout = ExpertLayout {
@@ -37,111 +113,108 @@ fn run(case: &Case, seed: u64) {
     let (ids, w) = random_routing(&mut rng, case.tokens, case.k, case.experts);
     let want = reference_f64(&deq, &xs, &ids, &w, case.k);
     let dev = Device::Cpu;
-    let xs_t = Tensor::from_vec(xs.clone(), (case.tokens, case.hidden), &dev).unwrap();
-    let ids_t = Tensor::from_vec(ids.clone(), (case.tokens, case.k), &dev).unwrap();
-    let w_t = Tensor::from_vec(w.clone(), (case.tokens, case.k), &dev).unwrap();
+    Inputs {
+        pack,
+        xs: Tensor::from_vec(xs, (case.tokens, case.hidden), &dev).unwrap(),
+        ids: Tensor::from_vec(ids, (case.tokens, case.k), &dev).unwrap(),
+        w: Tensor::from_vec(w, (case.tokens, case.k), &dev).unwrap(),
+        want,
+    }
+}
+
+fn run(case: &Case, seed: u64, backend: Backend) {
+    let Inputs {
+        pack,
+        xs,
+        ids,
+        w,
+        want,
+    } = inputs(case, seed);
     let to_vec = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-
-    // The dense oracle in F32: only F32 rounding (~1e-7 per op, √K growth) separates it from f64.
-    let dense = DenseExperts::new(deq).unwrap();
-    let err = rel_err(&to_vec(dense.forward(&xs_t, &ids_t, &w_t).unwrap()), &want);
-    assert!(err < 1e-5, "dense f32 rel err {err}");
-
-    // INT4 kernel: activations are rounded to i16 per group (≤ 2⁻¹⁶ of the group max, twice:
-    // input and SiLU·up), so the relative error is ~1e-5; 2e-4 leaves a 10× margin.
-    for isa in [CpuIsa::Scalar, CpuIsa::Avx2, CpuIsa::Avx512Vnni] {
-        if !isa.is_available() {
-            eprintln!("skipping {isa:?}: not supported by this CPU");
-            continue;
-        }
-        let int4 = Int4Experts::with_isa(pack.clone(), isa);
-        let got = to_vec(int4.forward(&xs_t, &ids_t, &w_t).unwrap());
-        let err = rel_err(&got, &want);
-        assert!(
-            err < 2e-4,
-            "{isa:?} H{} I{} g{} T{}: rel err {err}",
-            case.hidden,
-            case.inter,
-            case.group,
-            case.tokens
-        );
-        // Bit-identical on a single thread: the summation order is fixed.
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(1)
-            .build()
-            .unwrap();
-        let single = pool.install(|| to_vec(int4.forward(&xs_t, &ids_t, &w_t).unwrap()));
-        assert_eq!(got, single, "{isa:?} differs between thread counts");
-    }
-}
-
-#[test]
-fn int4_kernel_matches_f64_reference_on_edge_shapes() {
-    let cases = [
-        // K not a multiple of the group (1408 = 5.5 × 256), K < group, K = group + 1 chunk.
-        Case {
-            hidden: 256,
-            inter: 176,
-            experts: 6,
-            k: 2,
-            tokens: 5,
-            group: 256,
-        },
-        Case {
-            hidden: 64,
-            inter: 40,
-            experts: 4,
-            k: 4,
-            tokens: 9,
-            group: 128,
-        },
-        Case {
-            hidden: 160,
-            inter: 96,
-            experts: 5,
-            k: 3,
-            tokens: 1,
-            group: 64,
-        },
-        Case {
-            hidden: 96,
-            inter: 33,
-            experts: 3,
-            k: 1,
-            tokens: 7,
-            group: 32,
-        },
-        Case {
-            hidden: 32,
-            inter: 1,
-            experts: 2,
-            k: 2,
-            tokens: 3,
-            group: 32,
-        },
-    ];
-    for (i, c) in cases.iter().enumerate() {
-        run(c, 100 + i as u64);
-    }
-}
-
-#[test]
-fn int4_kernel_matches_reference_at_model_like_width() {
-    // Qwen1.5-MoE's down-projection width (1408) and hidden 512, prefill-sized token count.
-    run(
-        &Case {
-            hidden: 512,
-            inter: 1408,
-            experts: 8,
-            k: 4,
-            tokens: 24,
-            group: 128,
-        },
-        7,
+    let shape = format!(
+        "H{} I{} g{} T{}",
+        case.hidden, case.inter, case.group, case.tokens
     );
+    match backend {
+        Backend::Dense => {
+            // F32: only F32 rounding (~1e-7 per op, √K growth) separates it from f64.
+            let deq = pack
+                .dequantize_experts(candle::DType::F32, &Device::Cpu)
+                .unwrap();
+            let dense = DenseExperts::new(deq).unwrap();
+            let err = rel_err(&to_vec(dense.forward(&xs, &ids, &w).unwrap()), &want);
+            assert!(err < 1e-5, "dense f32 {shape}: rel err {err}");
+        }
+        Backend::Int4(isa) => {
+            // Activations are rounded to i16 per group (≤ 2⁻¹⁶ of the group max, twice: input
+            // and SiLU·up), so the relative error is ~1e-5; 2e-4 leaves a 10× margin.
+            let int4 = Int4Experts::with_isa(pack, isa);
+            let got = to_vec(int4.forward(&xs, &ids, &w).unwrap());
+            let err = rel_err(&got, &want);
+            assert!(err < 2e-4, "{isa:?} {shape}: rel err {err}");
+            // Bit-identical on a single thread: the summation order is fixed.
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .build()
+                .unwrap();
+            let single = pool.install(|| to_vec(int4.forward(&xs, &ids, &w).unwrap()));
+            assert_eq!(
+                got, single,
+                "{isa:?} {shape}: differs between thread counts"
+            );
+        }
+    }
 }
 
-#[test]
+/// The trials of one backend: the edge shapes and the model-like width.
+fn trials(name: &str, backend: Backend) -> Vec<Trial> {
+    vec![
+        Trial::test(
+            format!("{name}::matches_f64_reference_on_edge_shapes"),
+            move || {
+                for (i, c) in EDGE_CASES.iter().enumerate() {
+                    run(c, 100 + i as u64, backend);
+                }
+                Ok(())
+            },
+        ),
+        Trial::test(
+            format!("{name}::matches_f64_reference_at_model_like_width"),
+            move || {
+                run(&MODEL_LIKE, 7, backend);
+                Ok(())
+            },
+        ),
+    ]
+}
+
+fn main() {
+    let args = Arguments::from_args();
+    let mut all = trials("dense_oracle", Backend::Dense);
+    for (name, isa) in [
+        ("int4_portable", CpuIsa::Scalar),
+        ("int4_avx2", CpuIsa::Avx2),
+        ("int4_avx512_vnni", CpuIsa::Avx512Vnni),
+    ] {
+        let available = isa.is_available();
+        if !available {
+            eprintln!(
+                "SKIPPED: this CPU lacks {isa:?}; the {name}::* tests are reported as ignored"
+            );
+        }
+        all.extend(
+            trials(name, Backend::Int4(isa))
+                .into_iter()
+                .map(|t| t.with_ignored_flag(!available)),
+        );
+    }
+    all.push(Trial::test("bad_routing_is_a_clear_error", || {
+        bad_routing_is_a_clear_error();
+        Ok::<(), Failed>(())
+    }));
+    libtest_mimic::run(&args, all).exit();
+}
+
 fn bad_routing_is_a_clear_error() {
     let mut rng = Rng::new(3);
     let experts = random_experts(&mut rng, 4, 64, 32);

@@ -1,7 +1,5 @@
 //! `SparseMoe` routing and combine against an f64 re-computation of transformers' math.
 
-mod common;
-
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -9,7 +7,7 @@ use candle::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 use candle_qmoe::moe::SharedExpert;
 use candle_qmoe::{DenseExperts, SparseMoe};
-use common::{random_experts, reference_f64, Rng};
+use candle_qmoe_suite::testing::{random_experts, reference_f64, Rng};
 
 const H: usize = 48;
 const I: usize = 24;

@@ -153,6 +153,30 @@ pub enum SyntheticKind {
     Qwen2Moe,
 }
 
+/// The routed experts of one MoE layer: the shape the kernels, benches and sweeps use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeShape {
+    /// Model width (the experts' input and output size).
+    pub hidden: usize,
+    /// Each expert's intermediate size.
+    pub intermediate: usize,
+    /// Routed experts per layer.
+    pub experts: usize,
+    /// Experts chosen per token.
+    pub top_k: usize,
+}
+
+impl MoeShape {
+    /// The INT4 layout of one expert of this shape at `group_size`.
+    pub fn layout(&self, group_size: GroupSize) -> ExpertLayout {
+        ExpertLayout {
+            hidden: self.hidden,
+            intermediate: self.intermediate,
+            group_size,
+        }
+    }
+}
+
 impl SyntheticKind {
     /// Every kind.
     pub const ALL: [Self; 3] = [Self::Tiny, Self::Olmoe, Self::Qwen2Moe];
@@ -166,45 +190,66 @@ impl SyntheticKind {
         }
     }
 
+    /// The routed-expert shape of each MoE layer.
+    pub fn moe_shape(self) -> MoeShape {
+        let (hidden, intermediate, experts, top_k) = match self {
+            Self::Tiny => (256, 128, 8, 2),
+            Self::Olmoe => (2048, 1024, 64, 8),
+            Self::Qwen2Moe => (2048, 1408, 60, 4),
+        };
+        MoeShape {
+            hidden,
+            intermediate,
+            experts,
+            top_k,
+        }
+    }
+
     /// The Hugging Face `config.json` of this shape.
     pub fn config_json(self) -> serde_json::Value {
         use serde_json::json;
-        let olmoe =
-            |layers: usize, hidden: usize, heads: usize, inter: usize, experts: usize, k: usize| {
-                json!({
-                    "architectures": ["OlmoeForCausalLM"],
-                    "model_type": "olmoe",
-                    "vocab_size": 50304,
-                    "hidden_size": hidden,
-                    "intermediate_size": inter,
-                    "num_hidden_layers": layers,
-                    "num_attention_heads": heads,
-                    "num_key_value_heads": heads,
-                    "max_position_embeddings": 4096,
-                    "rms_norm_eps": 1e-5,
-                    "rope_theta": 10000.0,
-                    "num_experts": experts,
-                    "num_experts_per_tok": k,
-                    "norm_topk_prob": false,
-                    "clip_qkv": null,
-                    "attention_bias": false,
-                    "tie_word_embeddings": false,
-                    "hidden_act": "silu",
-                    "bos_token_id": null,
-                    "eos_token_id": 50279,
-                    "pad_token_id": 1
-                })
-            };
+        let moe = self.moe_shape();
+        let olmoe = |layers: usize, heads: usize| {
+            let MoeShape {
+                hidden,
+                intermediate: inter,
+                experts,
+                top_k: k,
+            } = moe;
+            json!({
+                "architectures": ["OlmoeForCausalLM"],
+                "model_type": "olmoe",
+                "vocab_size": 50304,
+                "hidden_size": hidden,
+                "intermediate_size": inter,
+                "num_hidden_layers": layers,
+                "num_attention_heads": heads,
+                "num_key_value_heads": heads,
+                "max_position_embeddings": 4096,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0,
+                "num_experts": experts,
+                "num_experts_per_tok": k,
+                "norm_topk_prob": false,
+                "clip_qkv": null,
+                "attention_bias": false,
+                "tie_word_embeddings": false,
+                "hidden_act": "silu",
+                "bos_token_id": null,
+                "eos_token_id": 50279,
+                "pad_token_id": 1
+            })
+        };
         match self {
-            Self::Tiny => olmoe(2, 256, 4, 128, 8, 2),
-            Self::Olmoe => olmoe(16, 2048, 16, 1024, 64, 8),
+            Self::Tiny => olmoe(2, 4),
+            Self::Olmoe => olmoe(16, 16),
             Self::Qwen2Moe => json!({
                 "architectures": ["Qwen2MoeForCausalLM"],
                 "model_type": "qwen2_moe",
                 "vocab_size": 151936,
-                "hidden_size": 2048,
+                "hidden_size": moe.hidden,
                 "intermediate_size": 5632,
-                "moe_intermediate_size": 1408,
+                "moe_intermediate_size": moe.intermediate,
                 "shared_expert_intermediate_size": 5632,
                 "num_hidden_layers": 24,
                 "num_attention_heads": 16,
@@ -212,8 +257,8 @@ impl SyntheticKind {
                 "max_position_embeddings": 8192,
                 "rms_norm_eps": 1e-6,
                 "rope_theta": 1000000.0,
-                "num_experts": 60,
-                "num_experts_per_tok": 4,
+                "num_experts": moe.experts,
+                "num_experts_per_tok": moe.top_k,
                 "norm_topk_prob": false,
                 "decoder_sparse_step": 1,
                 "mlp_only_layers": [],
@@ -604,11 +649,6 @@ impl SyntheticModel {
         experts: &dyn ExpertsLoader,
     ) -> candle::Result<MoeForCausalLm> {
         MoeForCausalLm::new(&self.spec, self.var_builder(dtype, device), experts)
-    }
-
-    /// Parameters outside the routed experts.
-    pub fn non_expert_params(&self) -> usize {
-        self.tensors.values().map(|t| t.elem_count()).sum()
     }
 
     /// Bytes the routed experts take as dense `dtype` tensors.

@@ -181,7 +181,7 @@ impl ModelArgs {
         Ok(match self.synthetic {
             Some(kind) => AnyConfig::from_json_str(&kind.config_json().to_string())?,
             None => {
-                let ckpt = super::resolve_checkpoint(
+                let ckpt = crate::checkpoint::resolve_checkpoint(
                     self.model_dir.as_deref(),
                     &self.model_id,
                     self.revision.as_deref(),
@@ -455,19 +455,19 @@ fn load_synthetic(
                 DType::F32
             };
             let need = synth.dense_expert_bytes(dt) as u64;
-            if let Some(avail) = super::available_memory_bytes().filter(|&a| need > a) {
+            if let Some(avail) = crate::system::available_memory_bytes().filter(|&a| need > a) {
                 bail!(
                     "dense {:?} experts of the synthetic {kind} model need {}, more than the {} \
                      of memory available; use --experts int4 or --synthetic tiny",
                     args.experts,
-                    super::human_bytes(need),
-                    super::human_bytes(avail)
+                    plan::format_bytes(need),
+                    plan::format_bytes(avail)
                 );
             }
             if need > 4 << 30 {
                 eprintln!(
                     "warning: dense experts take {} of memory",
-                    super::human_bytes(need)
+                    plan::format_bytes(need)
                 );
             }
             synth.dense_experts(dt)
@@ -477,7 +477,7 @@ fn load_synthetic(
     let model_type = synth.config().model_type();
     Ok(Loaded {
         model,
-        tokenizer: super::bundled_tokenizer(model_type)?,
+        tokenizer: crate::tokenizer::bundled_tokenizer(model_type)?,
         model_id: format!("synthetic:{kind}"),
         revision: format!("seed {}", args.synthetic_seed),
         instruct: true,
@@ -489,7 +489,7 @@ fn load_synthetic(
 }
 
 /// The expert pack for `--experts int4`: `--pack` loaded or created, or quantized in memory.
-fn int4_pack(args: &ModelArgs, ckpt: &super::Checkpoint) -> Result<PackFile> {
+fn int4_pack(args: &ModelArgs, ckpt: &crate::checkpoint::Checkpoint) -> Result<PackFile> {
     let opts = QuantizeOptions {
         group_size: group_size(args)?,
         source_model: ckpt.model_id.clone(),
@@ -497,11 +497,11 @@ fn int4_pack(args: &ModelArgs, ckpt: &super::Checkpoint) -> Result<PackFile> {
         ..Default::default()
     };
     let Some(path) = &args.pack else {
-        return super::quantize_with_progress(&ckpt.dir, &opts);
+        return crate::checkpoint::quantize_with_progress(&ckpt.dir, &opts);
     };
     if !path.exists() {
         println!("creating the expert pack `{}`", path.display());
-        super::quantize_with_progress(&ckpt.dir, &opts)?.save(path)?;
+        crate::checkpoint::quantize_with_progress(&ckpt.dir, &opts)?.save(path)?;
     }
     let pack = PackFile::open(path)?;
     let m = pack.meta();
@@ -528,7 +528,7 @@ fn load_checkpoint(
     dtype: DType,
     device: &Device,
 ) -> Result<Loaded> {
-    let ckpt = super::resolve_checkpoint(
+    let ckpt = crate::checkpoint::resolve_checkpoint(
         args.model_dir.as_deref(),
         &args.model_id,
         args.revision.as_deref(),
@@ -568,7 +568,7 @@ fn load_checkpoint(
     let name = ckpt.model_id.to_lowercase();
     Ok(Loaded {
         model,
-        tokenizer: super::load_tokenizer(&ckpt.dir, config.model_type())?,
+        tokenizer: crate::tokenizer::load_tokenizer(&ckpt.dir, config.model_type())?,
         instruct: name.contains("instruct") || name.contains("chat"),
         model_id: ckpt.model_id,
         revision: ckpt.revision,

@@ -178,7 +178,7 @@ impl Config {
             self.new_tokens,
             self.ctx
         );
-        let Some(peak_rss_bytes) = crate::common::peak_rss_bytes() else {
+        let Some(peak_rss_bytes) = crate::system::peak_rss_bytes() else {
             bail!("the peak RSS cannot be read here (no /proc/self/status)");
         };
         Ok(Measurement {

@@ -1,5 +1,5 @@
-//! Helpers shared by the integration tests: deterministic random data and f64 references.
-#![allow(dead_code)]
+//! Helpers shared by the integration tests and benches: deterministic random data, f64
+//! references, relative errors and the checked-in fixtures.
 
 use candle::{Device, Tensor};
 use candle_qmoe::pack::DenseExpert;
@@ -8,9 +8,11 @@ use candle_qmoe::pack::DenseExpert;
 pub struct Rng(u64);
 
 impl Rng {
+    /// A generator whose sequence is fixed by `seed`.
     pub fn new(seed: u64) -> Self {
         Self(seed.wrapping_mul(0x9E3779B97F4A7C15) | 1)
     }
+    /// Uniform in `[0, 1)`.
     pub fn uniform(&mut self) -> f32 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
@@ -22,6 +24,7 @@ impl Rng {
         let s: f32 = (0..4).map(|_| self.uniform()).sum::<f32>() - 2.0;
         s * std * 1.732
     }
+    /// `n` values of [`Rng::normal`].
     pub fn normals(&mut self, n: usize, std: f32) -> Vec<f32> {
         (0..n).map(|_| self.normal(std)).collect()
     }
@@ -64,13 +67,13 @@ pub fn random_routing(
     (ids, w)
 }
 
+/// The values of `t`, flattened, in f64.
+pub fn values_f64(t: &Tensor) -> candle::Result<Vec<f64>> {
+    t.to_dtype(candle::DType::F64)?.flatten_all()?.to_vec1()
+}
+
 fn to_f64(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(candle::DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
+    values_f64(t).unwrap()
 }
 
 /// The routed-experts sum computed in f64 by plain loops.
@@ -118,10 +121,15 @@ pub fn reference_f64(
     out
 }
 
-/// `‖a − b‖ / ‖b‖`.
-pub fn rel_err(a: &[f32], b: &[f64]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| y * y).sum();
+/// `‖a − b‖ / ‖b‖`, accumulated in f64.
+pub fn rel_err<A: Copy + Into<f64>, B: Copy + Into<f64>>(a: &[A], b: &[B]) -> f64 {
+    assert_eq!(a.len(), b.len(), "rel_err of slices of different lengths");
+    let num: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(&x, &y)| (x.into() - y.into()).powi(2))
+        .sum();
+    let den: f64 = b.iter().map(|&y| y.into().powi(2)).sum();
     (num / den).sqrt()
 }
 

@@ -15,7 +15,7 @@ use candle_qmoe::generation::generate;
 use candle_qmoe::residency::ResidencyStats;
 use serde::Serialize;
 
-use super::model::{Loaded, Template};
+use crate::model::{Loaded, Template};
 
 /// The fixed prompt set: varied English chat requests.
 pub const PROMPTS: [&str; 12] = [

@@ -1,0 +1,85 @@
+//! Facts about the machine and the run that evidence files record: peak and available memory,
+//! the CPU and GPU, the driver, the git commit.
+
+/// Peak resident set size of this process (`VmHWM`), in bytes; `None` where /proc is missing.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Resets the peak resident set size (`VmHWM`) to the current RSS, so that
+/// [`peak_rss_bytes`] measures from now on; `false` where the kernel does not allow it.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// Memory the kernel reports as available (`MemAvailable`), in bytes.
+pub fn available_memory_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The CPU model name, or `null` when unknown.
+pub fn cpu_model() -> Option<String> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("model name"))?;
+    Some(line.split(':').nth(1)?.trim().to_string())
+}
+
+/// The NVIDIA kernel driver version (from `/proc/driver/nvidia/version`), or `null`.
+pub fn nvidia_driver_version() -> Option<String> {
+    let info = std::fs::read_to_string("/proc/driver/nvidia/version").ok()?;
+    let line = info.lines().find(|l| l.starts_with("NVRM version:"))?;
+    line.split_whitespace()
+        .find(|w| w.chars().next().is_some_and(|c| c.is_ascii_digit()) && w.contains('.'))
+        .map(str::to_string)
+}
+
+/// The current git commit (with `-dirty` when the tree has changes), or `null`.
+pub fn git_commit() -> Option<String> {
+    let out = std::process::Command::new("git")
+        .args(["describe", "--always", "--dirty", "--abbrev=12"])
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// The GPU's name (CUDA builds only).
+#[cfg(feature = "cuda")]
+fn gpu_name(device: &candle::Device) -> Option<String> {
+    device
+        .as_cuda_device()
+        .ok()?
+        .cuda_stream()
+        .context()
+        .name()
+        .ok()
+}
+
+/// The GPU's name (CUDA builds only).
+#[cfg(not(feature = "cuda"))]
+fn gpu_name(_: &candle::Device) -> Option<String> {
+    None
+}
+
+/// The device a run used, for evidence files: kind, name, driver (`null` on the CPU), threads.
+pub fn device_json(device: &candle::Device) -> serde_json::Value {
+    let threads = std::thread::available_parallelism().ok().map(|n| n.get());
+    if device.is_cuda() {
+        serde_json::json!({
+            "kind": "cuda",
+            "name": gpu_name(device),
+            "driver": nvidia_driver_version(),
+            "host_cpu": cpu_model(),
+            "host_threads": threads,
+        })
+    } else {
+        serde_json::json!({"kind": "cpu", "name": cpu_model(), "driver": null, "threads": threads})
+    }
+}
