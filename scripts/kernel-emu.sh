@@ -22,8 +22,13 @@ build() { # build OUTPUT FLAGS...
         -I"$CUDA_HOME/include" candle-qmoe-kernels/emu/main.cpp -o "$out"
 }
 if [[ "${1:-}" == "--sanitize" ]]; then
-    build target/kernel-emu/emu-tsan -O1 -g -fsanitize=thread
-    build target/kernel-emu/emu-asan -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all
+    # g++ compiles on one core: build both at once.
+    build target/kernel-emu/emu-tsan -O1 -g -fsanitize=thread &
+    tsan=$!
+    build target/kernel-emu/emu-asan -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all &
+    asan=$!
+    wait "$tsan"
+    wait "$asan"
     echo "kernel-emu: ThreadSanitizer"
     TSAN_OPTIONS="halt_on_error=1 exitcode=66" target/kernel-emu/emu-tsan --race
     echo "kernel-emu: AddressSanitizer + UndefinedBehaviorSanitizer"

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# The project's test command: format check, clippy with -D warnings, release tests.
+# The project's test command: format check, clippy with -D warnings, release tests. Clippy runs
+# inside the release build of every target (scripts/ci-lib.sh), so nothing is compiled twice.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo fmt --all -- --check
-cargo clippy --release --workspace --all-targets -- -D warnings
-cargo test --release --workspace
+# shellcheck source=scripts/ci-lib.sh
+source scripts/ci-lib.sh
+stage "fmt" cargo fmt --all -- --check
+stage "clippy -D warnings + release build (all targets)" \
+    with_clippy cargo build --release --workspace --all-targets
+stage "release tests" with_clippy cargo test --release --workspace
