@@ -14,7 +14,7 @@ use candle_qmoe::models::{
 use candle_qmoe::parity::{
     compare_prompt, greedy_continuation, logit_agreement, topk_sets, Golden, PromptParity,
 };
-use candle_qmoe::{GroupSize, ScaleSearch};
+use candle_qmoe::{GroupSize, QmoeError, ScaleSearch};
 use candle_qmoe_suite::testing::{fixture_dir, golden_prompt_count, load_golden};
 
 const FIXTURES: [&str; 2] = ["olmoe-tiny", "qwen2moe-tiny"];
@@ -266,10 +266,19 @@ fn int4_kernel_matches_dequantized_oracle_in_model() {
 // ---------------------------------------------------------------------------------------------
 // Bad input
 
-fn err_string<T>(r: candle::Result<T>) -> String {
+/// The message of an error of Candle's own (a missing or truncated tensor).
+fn err_string<T, E: std::fmt::Display>(r: Result<T, E>) -> String {
     match r {
         Ok(_) => panic!("expected an error"),
         Err(e) => e.to_string(),
+    }
+}
+
+/// The `QmoeError` a model call failed with.
+fn model_error<T>(r: candle::Result<T>) -> QmoeError {
+    match r {
+        Ok(_) => panic!("expected an error"),
+        Err(e) => QmoeError::from(e),
     }
 }
 
@@ -283,8 +292,20 @@ fn spec_ok(json: &str) -> models::ModelSpec {
     AnyConfig::from_json_str(json).unwrap().spec().unwrap()
 }
 
-fn spec_error(json: &str) -> String {
-    err_string(AnyConfig::from_json_str(json).and_then(|c| c.spec()))
+fn spec_error(json: &str) -> QmoeError {
+    match AnyConfig::from_json_str(json).and_then(|c| c.spec()) {
+        Ok(_) => panic!("accepted"),
+        Err(e) => e,
+    }
+}
+
+/// Asserts that `e` refuses `field = value`, and returns its message.
+fn refused(e: QmoeError, field: &str, value: &str) -> String {
+    assert!(
+        matches!(&e, QmoeError::UnsupportedConfig { field: f, value: v, .. } if f == field && v == value),
+        "expected {field} = {value} refused: {e}"
+    );
+    e.to_string()
 }
 
 #[test]
@@ -312,15 +333,11 @@ fn missing_tensor_is_named() {
 #[test]
 fn unsupported_model_type_is_refused() {
     let json = edit_config("olmoe-tiny", |v| v["model_type"] = "mixtral".into());
-    let msg = err_string(AnyConfig::from_json_str(&json));
-    assert!(
-        msg.contains("mixtral") && msg.contains("not supported"),
-        "{msg}"
-    );
+    let msg = refused(spec_error(&json), "model_type", "mixtral");
+    assert!(msg.contains("not supported"), "{msg}");
     // A Qwen2-MoE config handed to the OLMoE port is refused too.
     let qwen = olmoe::Config::from_json_str(&config_json("qwen2moe-tiny")).unwrap();
-    let msg = err_string(qwen.spec());
-    assert!(msg.contains("qwen2_moe"), "{msg}");
+    refused(qwen.spec().unwrap_err(), "model_type", "qwen2_moe");
     // No model_type: the architecture decides, and an unknown one is refused.
     let json = edit_config("qwen2moe-tiny", |v| {
         v.as_object_mut().unwrap().remove("model_type");
@@ -333,33 +350,37 @@ fn unsupported_model_type_is_refused() {
         v.as_object_mut().unwrap().remove("model_type");
         v["architectures"] = serde_json::json!(["MixtralForCausalLM"]);
     });
-    assert!(spec_error(&json).contains("MixtralForCausalLM"));
+    refused(spec_error(&json), "architectures", "MixtralForCausalLM");
 }
 
 #[test]
 fn inconsistent_configs_are_refused() {
     for name in FIXTURES {
-        let msg = spec_error(&edit_config(name, |v| v["num_attention_heads"] = 3.into()));
+        let e = spec_error(&edit_config(name, |v| v["num_attention_heads"] = 3.into()));
+        let msg = refused(e, "num_attention_heads", "3");
         assert!(msg.contains("does not divide hidden_size"), "{msg}");
-        let msg = spec_error(&edit_config(name, |v| v["num_experts_per_tok"] = 9.into()));
-        assert!(msg.contains("num_experts_per_tok = 9"), "{msg}");
-        let msg = spec_error(&edit_config(name, |v| v["num_experts_per_tok"] = 0.into()));
-        assert!(msg.contains("num_experts_per_tok = 0"), "{msg}");
-        let msg = spec_error(&edit_config(name, |v| v["num_key_value_heads"] = 3.into()));
-        assert!(msg.contains("num_key_value_heads = 3"), "{msg}");
-        let msg = spec_error(&edit_config(name, |v| {
+        let e = spec_error(&edit_config(name, |v| v["num_experts_per_tok"] = 9.into()));
+        refused(e, "num_experts_per_tok", "9");
+        let e = spec_error(&edit_config(name, |v| v["num_experts_per_tok"] = 0.into()));
+        refused(e, "num_experts_per_tok", "0");
+        let e = spec_error(&edit_config(name, |v| v["num_key_value_heads"] = 3.into()));
+        refused(e, "num_key_value_heads", "3");
+        let e = spec_error(&edit_config(name, |v| {
             v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0})
         }));
-        assert!(msg.contains("yarn"), "{msg}");
-        let msg = spec_error(&edit_config(name, |v| {
+        refused(e, "rope_type", "yarn");
+        let e = spec_error(&edit_config(name, |v| {
             v.as_object_mut().unwrap().remove("hidden_size");
         }));
-        assert!(msg.contains("hidden_size"), "{msg}");
+        assert!(
+            matches!(&e, QmoeError::InvalidFile { reason, .. } if reason.contains("hidden_size")),
+            "{e}"
+        );
     }
-    let msg = spec_error(&edit_config("qwen2moe-tiny", |v| {
+    let e = spec_error(&edit_config("qwen2moe-tiny", |v| {
         v["decoder_sparse_step"] = 0.into()
     }));
-    assert!(msg.contains("decoder_sparse_step"), "{msg}");
+    refused(e, "decoder_sparse_step", "0");
 }
 
 #[test]
@@ -444,18 +465,62 @@ fn prompt_longer_than_context_is_refused() {
         let cfg = AnyConfig::from_json_str(&json).unwrap();
         let mut model = load(name, &cfg, &ExpertsBackend::Dense);
         let long: Vec<u32> = (0..17).collect();
-        let msg = err_string(model.forward(&row_tensor(&long), 0));
-        assert!(msg.contains("max_position_embeddings = 16"), "{msg}");
+        let e = model_error(model.forward(&row_tensor(&long), 0));
+        assert!(
+            matches!(
+                e,
+                QmoeError::ContextExceeded {
+                    cached: 0,
+                    new: 17,
+                    context: 16
+                }
+            ),
+            "{e}"
+        );
+        assert!(
+            e.to_string().contains("max_position_embeddings = 16"),
+            "{e}"
+        );
         // Filling the context exactly works; one more cached step does not.
         model.forward(&row_tensor(&long[..16]), 0).unwrap();
-        let msg = err_string(model.forward(&row_tensor(&[5]), 16));
-        assert!(msg.contains("max_position_embeddings = 16"), "{msg}");
+        let e = model_error(model.forward(&row_tensor(&[5]), 16));
+        assert!(
+            matches!(
+                e,
+                QmoeError::ContextExceeded {
+                    cached: 16,
+                    new: 1,
+                    context: 16
+                }
+            ),
+            "{e}"
+        );
         // A wrong offset, a token outside the vocabulary and a 1-D input are errors too.
         model.clear_kv_cache();
-        assert!(err_string(model.forward(&row_tensor(&[5]), 3)).contains("KV cache holds 0"));
-        assert!(err_string(model.forward(&row_tensor(&[512]), 0)).contains("vocab"));
+        let e = model_error(model.forward(&row_tensor(&[5]), 3));
+        assert!(
+            matches!(&e, QmoeError::InvalidArgument { argument, reason }
+                if argument == "seqlen_offset" && reason.contains("KV cache holds 0")),
+            "{e}"
+        );
+        let e = model_error(model.forward(&row_tensor(&[512]), 0));
+        assert!(
+            matches!(
+                e,
+                QmoeError::TokenOutOfVocab {
+                    token: 512,
+                    vocab_size: 512
+                }
+            ),
+            "{e}"
+        );
         let one_d = Tensor::new(&[1u32, 2], &Device::Cpu).unwrap();
-        assert!(err_string(model.forward(&one_d, 0)).contains("[batch, seq_len]"));
+        let e = model_error(model.forward(&one_d, 0));
+        assert!(
+            matches!(&e, QmoeError::InvalidArgument { argument, reason }
+                if argument == "input_ids" && reason.contains("[batch, seq_len]")),
+            "{e}"
+        );
     }
 }
 
@@ -469,11 +534,16 @@ fn temp_dir(tag: &str) -> std::path::PathBuf {
 #[test]
 fn truncated_or_missing_checkpoint_is_an_error() {
     let dir = temp_dir("truncated");
-    let msg = err_string(models::checkpoint_files(&dir));
-    assert!(msg.contains("model.safetensors"), "{msg}");
+    let e = models::checkpoint_files(&dir).unwrap_err();
+    assert!(
+        matches!(&e, QmoeError::InvalidCheckpoint { dir: d, reason }
+            if d == &dir && reason.contains("model.safetensors")),
+        "{e}"
+    );
     let bytes = std::fs::read(fixture_dir("olmoe-tiny").join("model.safetensors")).unwrap();
     std::fs::write(dir.join("model.safetensors"), &bytes[..bytes.len() / 2]).unwrap();
     let r = unsafe { models::mmap_checkpoint(&dir, DType::F32, &Device::Cpu) };
+    assert!(matches!(&r, Err(QmoeError::Candle(_))));
     let msg = err_string(r);
     assert!(
         msg.contains("model.safetensors") && msg.contains("not fully covered"),
@@ -522,8 +592,12 @@ fn sharded_checkpoint_matches_single_file() {
     assert_eq!(d, 0.0);
 
     std::fs::remove_file(dir.join("model-00002-of-00002.safetensors")).unwrap();
-    let msg = err_string(models::checkpoint_files(&dir));
-    assert!(msg.contains("model-00002-of-00002.safetensors"), "{msg}");
+    let e = models::checkpoint_files(&dir).unwrap_err();
+    assert!(
+        matches!(&e, QmoeError::InvalidCheckpoint { reason, .. }
+            if reason.contains("model-00002-of-00002.safetensors")),
+        "{e}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -12,6 +12,7 @@ use candle_qmoe::models::{
 };
 use candle_qmoe::pack::{GroupSize, LayerPack, PackFile, PackMeta};
 use candle_qmoe::synthetic::{SyntheticKind, SyntheticModel};
+use candle_qmoe::QmoeError;
 use candle_qmoe_suite::testing::fixture_dir;
 
 const FIXTURES: [&str; 2] = ["olmoe-tiny", "qwen2moe-tiny"];
@@ -51,10 +52,11 @@ fn quantize(dir: &Path, group: usize) -> PackFile {
     models::quantize_checkpoint(dir, &opts, &|_, _| {}).unwrap()
 }
 
-fn err_string<T>(r: candle::Result<T>) -> String {
+/// The error of `r`, which must fail, as a `QmoeError` (Candle carries ours unchanged).
+fn error<T>(r: candle::Result<T>) -> QmoeError {
     match r {
         Ok(_) => panic!("expected an error"),
-        Err(e) => e.to_string(),
+        Err(e) => QmoeError::from(e),
     }
 }
 
@@ -157,14 +159,16 @@ fn pack_from_another_checkpoint_is_refused() {
             dir.display()
         );
         let experts = PackedExperts::for_checkpoint(pack.clone(), dir).unwrap();
-        let msg = err_string(load(dir, &experts));
+        let e = error(load(dir, &experts));
         assert!(
-            msg.contains("pack was made from test/fixture (revision r1")
-                && msg.contains("not from this checkpoint")
-                && msg.contains("re-run quantize"),
-            "{}: {msg}",
+            matches!(&e, QmoeError::PackMismatch { source_model, source_revision, reason }
+                if source_model == "test/fixture"
+                    && source_revision == "r1"
+                    && reason.contains("not this checkpoint's")),
+            "{}: {e}",
             dir.display()
         );
+        assert!(e.to_string().contains("re-run quantize"), "{e}");
     }
 
     // A synthetic model's pack is refused by a real checkpoint, and a pack whose shapes differ is
@@ -172,12 +176,17 @@ fn pack_from_another_checkpoint_is_refused() {
     let synth = SyntheticModel::new(SyntheticKind::Tiny, 1, GroupSize::default()).unwrap();
     let experts =
         PackedExperts::for_checkpoint(synth.pack().clone(), fixture_dir("olmoe-tiny")).unwrap();
-    assert!(err_string(load(&fixture_dir("olmoe-tiny"), &experts)).contains("synthetic:tiny"));
-    let experts = PackedExperts::new(synth.pack().clone(), synth.fingerprint());
-    let msg = err_string(load(&fixture_dir("qwen2moe-tiny"), &experts));
+    let e = error(load(&fixture_dir("olmoe-tiny"), &experts));
     assert!(
-        msg.contains("pack holds H 256 I 128 × 8 experts; the model has H 256 I 192 × 8"),
-        "{msg}"
+        matches!(&e, QmoeError::PackMismatch { source_model, .. } if source_model == "synthetic:tiny"),
+        "{e}"
+    );
+    let experts = PackedExperts::new(synth.pack().clone(), synth.fingerprint());
+    let e = error(load(&fixture_dir("qwen2moe-tiny"), &experts));
+    assert!(
+        matches!(&e, QmoeError::PackMismatch { reason, .. }
+            if reason == "pack holds H 256 I 128 × 8 experts; the model has H 256 I 192 × 8"),
+        "{e}"
     );
 
     for d in [tmp, router_dir, config_dir] {
@@ -195,24 +204,27 @@ fn fingerprint_and_in_memory_packs_report_bad_input() {
     ts.remove("model.layers.1.mlp.gate.weight").unwrap();
     candle::safetensors::save(&ts, dir.join("model.safetensors")).unwrap();
     std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
-    let msg = err_string(models::fingerprint(&dir));
-    assert!(msg.contains("model.layers.1.mlp.gate.weight"), "{msg}");
+    let e = models::fingerprint(&dir).unwrap_err();
+    assert!(
+        matches!(&e, QmoeError::InvalidCheckpoint { dir: d, reason }
+            if d == &dir && reason.contains("model.layers.1.mlp.gate.weight")),
+        "{e}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 
     // PackFile::from_layers checks each layer against the header.
     let pack = quantize(&fixture_dir("olmoe-tiny"), 128);
     let meta: PackMeta = pack.meta().clone();
     let layer: LayerPack = pack.layer(0).unwrap();
+    let invalid = |r: candle_qmoe::Result<PackFile>, what: &str| match r {
+        Err(QmoeError::InvalidPack { reason }) => assert!(reason.contains(what), "{reason}"),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("accepted"),
+    };
     let dup = PackFile::from_layers(meta.clone(), [(0, layer.clone()), (0, layer.clone())]);
-    assert!(dup
-        .unwrap_err()
-        .to_string()
-        .contains("layer 0 is given twice"));
+    invalid(dup, "layer 0 is given twice");
     let mut other = meta.clone();
     other.num_experts = 4;
-    let msg = PackFile::from_layers(other, [(0, layer)])
-        .unwrap_err()
-        .to_string();
-    assert!(msg.contains("header says"), "{msg}");
-    assert!(PackFile::from_layers(meta, []).is_err());
+    invalid(PackFile::from_layers(other, [(0, layer)]), "header says");
+    invalid(PackFile::from_layers(meta, []), "at least one layer");
 }

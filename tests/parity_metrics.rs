@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use candle::{DType, Device, Tensor};
 use candle_qmoe::models::{self, AnyConfig, ExpertsBackend, MoeForCausalLm};
 use candle_qmoe::parity::{compare, logit_agreement, router_agreement, Golden};
+use candle_qmoe::QmoeError;
 use candle_qmoe_suite::testing::fixture_dir;
 
 #[test]
@@ -25,7 +26,12 @@ fn logit_agreement_arithmetic() {
     let m = logit_agreement(&b, &a).unwrap();
     assert_eq!(m.top1, 0.5);
     assert!(m.mean_kl > 0.0);
-    assert!(logit_agreement(&a, &a.narrow(1, 0, 2).unwrap()).is_err());
+    let e = logit_agreement(&a, &a.narrow(1, 0, 2).unwrap()).unwrap_err();
+    assert!(
+        matches!(QmoeError::find(&e), Some(QmoeError::ShapeMismatch { got, expected, .. })
+            if got == &[2, 3] && expected == &[2, 2]),
+        "{e}"
+    );
 
     // Router top-2 sets: the second token's set differs.
     let ours = Tensor::new(&[[0.9f32, 0.5, 0.1], [0.2, 0.3, 0.9]], &Device::Cpu).unwrap();
@@ -48,15 +54,32 @@ fn golden_files_are_checked() {
     let tensors: HashMap<String, Tensor> = candle::safetensors::load(&path, &Device::Cpu).unwrap();
     let mut missing = tensors.clone();
     missing.remove("prompt1.greedy_ids");
-    let msg = Golden::from_tensors(missing).unwrap_err().to_string();
-    assert!(msg.contains("missing `prompt1.greedy_ids`"), "{msg}");
+    let invalid = |r: candle_qmoe::Result<Golden>, what: &str| match r {
+        Err(QmoeError::InvalidFile { file, reason }) => {
+            assert!(
+                file.contains("golden file") && reason.contains(what),
+                "{file}: {reason}"
+            )
+        }
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("accepted"),
+    };
+    invalid(
+        Golden::from_tensors(missing),
+        "missing `prompt1.greedy_ids`",
+    );
     let mut short = tensors;
     let logits = short["prompt0.logits"].narrow(0, 0, 3).unwrap();
     short.insert("prompt0.logits".into(), logits);
-    let msg = Golden::from_tensors(short).unwrap_err().to_string();
-    assert!(msg.contains("do not fit together"), "{msg}");
-    assert!(Golden::from_tensors(HashMap::new()).is_err());
-    assert!(Golden::load(fixture_dir("olmoe-tiny").join("nope.safetensors")).is_err());
+    invalid(Golden::from_tensors(short), "do not fit together");
+    invalid(
+        Golden::from_tensors(HashMap::new()),
+        "no `prompt0.input_ids`",
+    );
+    invalid(
+        Golden::load(fixture_dir("olmoe-tiny").join("nope.safetensors")),
+        "",
+    );
 }
 
 /// The dense F32 ports reproduce transformers: within 1e-3 everywhere (measured ≈ 5e-6), every

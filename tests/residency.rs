@@ -13,7 +13,7 @@ use candle_qmoe::residency::{
     HybridMode, PolicyKind, Residency, ResidencyOptions, Resident, ResidentExperts,
 };
 use candle_qmoe::synthetic::{random_layer_pack, random_routing, SyntheticKind, SyntheticModel};
-use candle_qmoe::{Int4Experts, RoutedExperts};
+use candle_qmoe::{Int4Experts, QmoeError, RoutedExperts};
 use rand::{Rng, SeedableRng};
 
 const E: usize = 16;
@@ -233,6 +233,11 @@ fn outputs_are_bit_identical_for_any_capacity_policy_and_hybrid_mode() {
     }
 }
 
+/// Whether `e` is the injected copy failure.
+fn copy_failed(e: &candle::Error) -> bool {
+    matches!(QmoeError::find(e), Some(QmoeError::CopyFailed { reason, .. }) if reason == "injected failure")
+}
+
 #[test]
 fn a_failed_copy_keeps_the_published_generation_valid() {
     let reference = Int4Experts::new(pack());
@@ -249,13 +254,13 @@ fn a_failed_copy_keeps_the_published_generation_valid() {
             let guess: Vec<u32> = (0..K).map(|_| rng.random_range(0..E as u32)).collect();
             if let Err(e) = experts.prefetch(&guess) {
                 failures += 1;
-                assert!(e.to_string().contains("expert copy failed"), "{e}");
+                assert!(copy_failed(&e), "{e}");
             }
         }
         match experts.forward(&xs, &ids, &w) {
             Err(e) => {
                 failures += 1;
-                assert!(e.to_string().contains("expert copy failed"), "{e}");
+                assert!(copy_failed(&e), "{e}");
             }
             Ok(got) => {
                 let want = reference.forward(&xs, &ids, &w).unwrap();
@@ -338,44 +343,54 @@ fn a_step_served_in_chunks_counts_each_resident_expert_once() {
 
 #[test]
 fn admission_refuses_profiles_that_cannot_work() {
-    let err = |opts: ResidencyOptions| {
-        Residency::new(opts)
-            .host_layer(3, K, pack())
-            .unwrap_err()
-            .to_string()
+    let err = |opts: ResidencyOptions| Residency::new(opts).host_layer(3, K, pack()).unwrap_err();
+    // The reason a profile is refused, with its message (which names the layer).
+    let refused = |e: candle::Error| match QmoeError::find(&e) {
+        Some(QmoeError::Residency(reason)) => (reason.clone(), e.to_string()),
+        _ => panic!("not a refused profile: {e}"),
     };
     let slab = layout().slab_bytes();
-    let e = err(options(Resident::Uniform(K - 1), PolicyKind::Lru));
+    let (reason, msg) = refused(err(options(Resident::Uniform(K - 1), PolicyKind::Lru)));
     assert!(
-        e.contains("layer 3") && e.contains("top-k = 4") && e.contains("3 experts"),
-        "{e}"
+        msg.contains("layer 3") && reason.contains("top-k = 4") && reason.contains("3 experts"),
+        "{msg}"
     );
-    let e = err(ResidencyOptions {
+    let (reason, _) = refused(err(ResidencyOptions {
         staging_bytes: Some(slab - 16),
         ..Default::default()
-    });
+    }));
     assert!(
-        e.contains("cannot hold one expert") && e.contains(&slab.to_string()),
-        "{e}"
+        reason.contains("cannot hold one expert") && reason.contains(&slab.to_string()),
+        "{reason}"
     );
-    let e = err(ResidencyOptions {
+    let (reason, _) = refused(err(ResidencyOptions {
         staging_buffers: 0,
         ..Default::default()
-    });
-    assert!(e.contains("at least one buffer"), "{e}");
+    }));
+    assert!(reason.contains("at least one buffer"), "{reason}");
     let e = err(ResidencyOptions {
         resident: Resident::Uniform(8),
         device_memory_limit: Some(6 * slab),
         ..Default::default()
     });
     assert!(
-        e.contains("out of device memory") && e.contains("8 slots"),
+        matches!(QmoeError::find(&e), Some(QmoeError::OutOfMemory { what, needed, .. })
+            if what.contains("8 slots") && *needed == 8 * slab),
         "{e}"
     );
-    let e = err(options(Resident::PerLayer(vec![4, 4]), PolicyKind::Lru));
-    assert!(e.contains("lists 2 layers") && e.contains("layer 3"), "{e}");
+    let (reason, _) = refused(err(options(
+        Resident::PerLayer(vec![4, 4]),
+        PolicyKind::Lru,
+    )));
+    assert!(
+        reason.contains("lists 2 layers") && reason.contains("layer 3"),
+        "{reason}"
+    );
     for bad in ["", "lots", "-1", "4,x"] {
-        assert!(bad.parse::<Resident>().is_err(), "{bad}");
+        assert!(
+            matches!(bad.parse::<Resident>(), Err(QmoeError::UnsupportedConfig { field, .. }) if field == "residency"),
+            "{bad}"
+        );
     }
     assert_eq!("all".parse::<Resident>().unwrap(), Resident::All);
     assert_eq!("12".parse::<Resident>().unwrap(), Resident::Uniform(12));

@@ -7,7 +7,7 @@
 use candle::{Device, Tensor};
 use candle_qmoe::kernels::cpu::CpuIsa;
 use candle_qmoe::pack::{ExpertLayout, GroupSize, LayerPack, ScaleSearch};
-use candle_qmoe::{DenseExperts, Int4Experts, RoutedExperts};
+use candle_qmoe::{DenseExperts, Int4Experts, QmoeError, RoutedExperts};
 use candle_qmoe_suite::testing::{random_experts, random_routing, reference_f64, rel_err, Rng};
 use libtest_mimic::{Arguments, Failed, Trial};
 
@@ -229,22 +229,48 @@ fn bad_routing_is_a_clear_error() {
     let xs = Tensor::ones((2, 64), candle::DType::F32, &dev).unwrap();
     let w = Tensor::ones((2, 2), candle::DType::F32, &dev).unwrap();
     let ids = Tensor::new(&[[0u32, 9], [1, 2]], &dev).unwrap();
-    let e = int4.forward(&xs, &ids, &w).unwrap_err().to_string();
-    assert!(e.contains("expert id 9") && e.contains("4 experts"), "{e}");
+    let e = int4.forward(&xs, &ids, &w).unwrap_err();
+    assert!(
+        matches!(
+            QmoeError::find(&e),
+            Some(QmoeError::ExpertOutOfRange {
+                token: 0,
+                expert: 9,
+                num_experts: 4
+            })
+        ),
+        "{e}"
+    );
     let ids = Tensor::new(&[[0u32, 0], [1, 2]], &dev).unwrap();
-    let e = int4.forward(&xs, &ids, &w).unwrap_err().to_string();
-    assert!(e.contains("twice"), "{e}");
+    let e = int4.forward(&xs, &ids, &w).unwrap_err();
+    assert!(
+        matches!(
+            QmoeError::find(&e),
+            Some(QmoeError::DuplicateExpert {
+                token: 0,
+                expert: 0
+            })
+        ),
+        "{e}"
+    );
     let xs = Tensor::ones((2, 65), candle::DType::F32, &dev).unwrap();
-    let e = int4.forward(&xs, &ids, &w).unwrap_err().to_string();
-    assert!(e.contains("[2, 65]"), "{e}");
+    let e = int4.forward(&xs, &ids, &w).unwrap_err();
+    assert!(
+        matches!(QmoeError::find(&e), Some(QmoeError::ShapeMismatch { tensor, got, expected })
+            if tensor == "xs" && got == &[2, 65] && expected == &[2, 64]),
+        "{e}"
+    );
     // Mismatched expert shapes name the tensor.
     let mut bad = random_experts(&mut rng, 2, 64, 32);
     bad[1].up = Tensor::ones((31, 64), candle::DType::F32, &dev).unwrap();
     let e = LayerPack::quantize("model.layers.0.mlp", &bad, layout, ScaleSearch::Mse).unwrap_err();
     assert!(
-        e.to_string()
-            .contains("model.layers.0.mlp.experts.1.up_proj.weight"),
+        matches!(&e, QmoeError::ShapeMismatch { tensor, got, .. }
+            if tensor == "model.layers.0.mlp.experts.1.up_proj.weight" && got == &[31, 64]),
         "{e}"
     );
-    assert!(GroupSize::new(48).is_err());
+    assert!(matches!(
+        GroupSize::new(48),
+        Err(QmoeError::UnsupportedConfig { field, value, .. }) if field == "group size" && value == "48"
+    ));
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use candle::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 use candle_qmoe::moe::SharedExpert;
-use candle_qmoe::{DenseExperts, SparseMoe};
+use candle_qmoe::{DenseExperts, QmoeError, SparseMoe};
 use candle_qmoe_suite::testing::{random_experts, reference_f64, Rng};
 
 const H: usize = 48;
@@ -185,15 +185,25 @@ fn bad_block_configs_are_clear_errors() {
     let mut rng = Rng::new(1);
     let experts = Arc::new(DenseExperts::new(random_experts(&mut rng, E, H, I)).unwrap());
     let router = || candle_nn::Linear::new(tensor(&mut Rng::new(2), (E, H), 0.1), None);
+    let top_k_refused = |e: &candle::Error, what: &str| {
+        matches!(QmoeError::find(e), Some(QmoeError::InvalidArgument { argument, reason })
+            if argument == "top_k" && reason.contains(what))
+    };
     let e = SparseMoe::new(router(), experts.clone(), E + 1, false, None).unwrap_err();
-    assert!(e.to_string().contains("top-k = 7 with 6 experts"), "{e}");
+    assert!(top_k_refused(&e, "top-k = 7 with 6 experts"), "{e}");
     let e = SparseMoe::new(router(), experts.clone(), 0, false, None).unwrap_err();
-    assert!(e.to_string().contains("top-k = 0"), "{e}");
+    assert!(top_k_refused(&e, "top-k = 0"), "{e}");
     let bad_router = candle_nn::Linear::new(tensor(&mut rng, (E, H + 1), 0.1), None);
     let e = SparseMoe::new(bad_router, experts, 2, false, None).unwrap_err();
-    assert!(e.to_string().contains("router"), "{e}");
-    assert!(DenseExperts::new(vec![])
-        .unwrap_err()
-        .to_string()
-        .contains("zero experts"));
+    assert!(
+        matches!(QmoeError::find(&e), Some(QmoeError::ShapeMismatch { tensor, got, expected })
+            if tensor.contains("router") && got == &[E, H + 1] && expected == &[E, H]),
+        "{e}"
+    );
+    let e = DenseExperts::new(vec![]).unwrap_err();
+    assert!(
+        matches!(QmoeError::find(&e), Some(QmoeError::InvalidArgument { reason, .. })
+            if reason == "zero experts"),
+        "{e}"
+    );
 }

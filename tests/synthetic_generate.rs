@@ -7,6 +7,7 @@ use candle_qmoe::models::MoeForCausalLm;
 use candle_qmoe::pack::GroupSize;
 use candle_qmoe::parity::logit_agreement;
 use candle_qmoe::synthetic::{SyntheticKind, SyntheticModel};
+use candle_qmoe::QmoeError;
 use candle_transformers::generation::LogitsProcessor;
 
 const PROMPT: [u32; 6] = [50279, 510, 3158, 8516, 30013, 27287];
@@ -89,14 +90,23 @@ fn generation_stops_at_eos_and_at_the_context() {
     let g = generate(&mut short, &PROMPT, 10, &[], argmax, |_| Ok(())).unwrap();
     assert_eq!((g.stop, g.tokens.len()), (StopReason::ContextFull, 2));
     let long: Vec<u32> = (0..9).collect();
-    let msg = generate(&mut short, &long, 1, &[], argmax, |_| Ok(()))
-        .unwrap_err()
-        .to_string();
+    let e = generate(&mut short, &long, 1, &[], argmax, |_| Ok(())).unwrap_err();
     assert!(
-        msg.contains("longer than the model's context of 8"),
-        "{msg}"
+        matches!(
+            QmoeError::find(&e),
+            Some(QmoeError::ContextExceeded {
+                cached: 0,
+                new: 9,
+                context: 8
+            })
+        ),
+        "{e}"
     );
-    assert!(generate(&mut short, &[], 1, &[], argmax, |_| Ok(())).is_err());
+    let e = generate(&mut short, &[], 1, &[], argmax, |_| Ok(())).unwrap_err();
+    assert!(
+        matches!(QmoeError::find(&e), Some(QmoeError::InvalidArgument { argument, .. }) if argument == "prompt"),
+        "{e}"
+    );
 }
 
 /// The random slabs are valid INT4: the kernel on them matches the dense oracle on their
@@ -148,6 +158,11 @@ fn chunked_prefill_matches_one_pass() {
         assert!(diff < 1e-4, "chunk {chunk}: max |Δlogit| {diff}");
     }
     let mut m = int4_model(&s);
-    assert!(prefill(&mut m, &[], 4).is_err());
-    assert!(prefill(&mut m, &prompt, 0).is_err());
+    for (prompt, chunk) in [(&[][..], 4), (&prompt[..], 0)] {
+        let e = prefill(&mut m, prompt, chunk).unwrap_err();
+        assert!(
+            matches!(QmoeError::find(&e), Some(QmoeError::InvalidArgument { .. })),
+            "{e}"
+        );
+    }
 }

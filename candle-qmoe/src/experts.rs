@@ -42,15 +42,19 @@ pub(crate) fn check_call(
     weights: &Tensor,
     hidden: usize,
 ) -> candle::Result<(usize, usize)> {
-    let (t, h) = xs.dims2()?;
-    let (t2, k) = expert_ids.dims2()?;
-    if h != hidden || t2 != t || weights.dims() != [t, k] {
-        return Err(QmoeError::Config(format!(
-            "routed experts got xs {:?}, expert_ids {:?}, weights {:?}; expected [T, {hidden}], [T, k], [T, k]",
-            xs.dims(),
-            expert_ids.dims(),
-            weights.dims()
-        ))
+    let (t, _) = xs.dims2()?;
+    let (_, k) = expert_ids.dims2()?;
+    let shapes: [(&str, &[usize], [usize; 2]); 3] = [
+        ("xs", xs.dims(), [t, hidden]),
+        ("expert_ids", expert_ids.dims(), [t, k]),
+        ("weights", weights.dims(), [t, k]),
+    ];
+    if let Some((tensor, got, expected)) = shapes.into_iter().find(|(_, g, e)| g[..] != e[..]) {
+        return Err(QmoeError::ShapeMismatch {
+            tensor: tensor.into(),
+            got: got.to_vec(),
+            expected: expected.to_vec(),
+        }
         .into());
     }
     Ok((t, k))
@@ -66,9 +70,10 @@ pub struct DenseExperts {
 impl DenseExperts {
     /// Wraps per-expert weights (`gate`/`up` `[I, H]`, `down` `[H, I]`), checking shapes.
     pub fn new(experts: Vec<DenseExpert>) -> candle::Result<Self> {
-        let first = experts
-            .first()
-            .ok_or_else(|| QmoeError::Config("zero experts".into()))?;
+        let first = experts.first().ok_or_else(|| QmoeError::InvalidArgument {
+            argument: "experts".into(),
+            reason: "zero experts".into(),
+        })?;
         let (i, h) = first.gate.dims2()?;
         for (e, x) in experts.iter().enumerate() {
             for (name, t, want) in [
@@ -77,8 +82,8 @@ impl DenseExperts {
                 ("down_proj", &x.down, [h, i]),
             ] {
                 if t.dims() != want {
-                    return Err(QmoeError::Shape {
-                        name: format!("experts.{e}.{name}.weight"),
+                    return Err(QmoeError::ShapeMismatch {
+                        tensor: format!("experts.{e}.{name}.weight"),
                         got: t.dims().to_vec(),
                         expected: want.to_vec(),
                     }
@@ -269,7 +274,11 @@ impl Int4Experts {
             Device::Cpu => Ok(()),
             #[cfg(feature = "cuda")]
             Device::Cuda(dev) => self.device_experts(dev).map(|_| ()),
-            _ => candle::bail!("int4 routed experts: unsupported device {device:?}"),
+            _ => Err(QmoeError::UnsupportedDevice {
+                backend: "int4 routed experts".into(),
+                device: format!("{device:?}"),
+            }
+            .into()),
         }
     }
 

@@ -19,10 +19,10 @@ pub const PREFILL_CHUNK: usize = 512;
 /// in its KV cache, and returns the last position's logits (`[vocab]`, F32).
 pub fn prefill(model: &mut MoeForCausalLm, prompt: &[u32], chunk: usize) -> candle::Result<Tensor> {
     if prompt.is_empty() || chunk == 0 {
-        return Err(QmoeError::Config(format!(
-            "prefill of {} tokens in chunks of {chunk}",
-            prompt.len()
-        ))
+        return Err(QmoeError::InvalidArgument {
+            argument: "prefill".into(),
+            reason: format!("{} tokens in chunks of {chunk}", prompt.len()),
+        }
         .into());
     }
     let device = model.device().clone();
@@ -31,7 +31,13 @@ pub fn prefill(model: &mut MoeForCausalLm, prompt: &[u32], chunk: usize) -> cand
         let input = Tensor::new(part, &device)?.unsqueeze(0)?;
         logits = Some(model.forward(&input, model.cached_len())?.squeeze(0)?);
     }
-    logits.ok_or_else(|| candle::Error::Msg("empty prefill".into()))
+    logits.ok_or_else(|| {
+        QmoeError::InvalidArgument {
+            argument: "prefill".into(),
+            reason: "no tokens".into(),
+        }
+        .into()
+    })
 }
 
 /// Why generation stopped.
@@ -91,14 +97,18 @@ pub fn generate(
 ) -> candle::Result<Generation> {
     let context = model.spec().max_position_embeddings;
     if prompt.is_empty() {
-        return Err(QmoeError::Config("the prompt is empty".into()).into());
+        return Err(QmoeError::InvalidArgument {
+            argument: "prompt".into(),
+            reason: "it is empty".into(),
+        }
+        .into());
     }
     if prompt.len() > context {
-        return Err(QmoeError::Config(format!(
-            "the prompt has {} tokens, longer than the model's context of {context} tokens \
-             (max_position_embeddings)",
-            prompt.len()
-        ))
+        return Err(QmoeError::ContextExceeded {
+            cached: 0,
+            new: prompt.len(),
+            context,
+        }
         .into());
     }
     model.clear_kv_cache();

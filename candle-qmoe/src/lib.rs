@@ -14,6 +14,9 @@
 //! * [`plan`] — memory prediction per component and the fit of the expert cache to a budget.
 //! * [`synthetic`] — deterministic random weights and routings with realistic scales, and whole
 //!   synthetic models with the real shapes.
+//! * [`error`] — [`QmoeError`], one variant per kind of problem: loading, configuration and pack
+//!   APIs return [`Result`]; compute paths return `candle::Result`, from whose errors
+//!   [`QmoeError::find`] recovers ours.
 //!
 //! # From a model folder to a model with INT4 experts
 //!
@@ -34,6 +37,7 @@
 //!
 //! /// A Hugging Face checkpoint folder (OLMoE or Qwen1.5-MoE) with its experts from the pack at
 //! /// `pack_path`, which is created on first use.
+//! /// (The loading steps fail with a `QmoeError`, which `?` turns into a `candle::Error`.)
 //! fn from_folder(dir: &Path, pack_path: &Path, device: &Device) -> candle::Result<MoeForCausalLm> {
 //!     if !pack_path.exists() {
 //!         let opts = QuantizeOptions { group_size: GroupSize::new(128)?, ..Default::default() };
@@ -74,7 +78,7 @@ pub mod plan;
 pub mod residency;
 pub mod synthetic;
 
-pub use error::QmoeError;
+pub use error::{QmoeError, Result};
 pub use experts::{DenseExperts, GgmlExperts, Int4Experts, RoutedExperts};
 pub use moe::{Routing, SparseMoe};
 pub use pack::{ExpertLayout, GroupSize, ScaleSearch};

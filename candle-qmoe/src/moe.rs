@@ -95,12 +95,16 @@ impl SparseMoe {
     ) -> candle::Result<Self> {
         let e = experts.num_experts();
         if top_k == 0 || top_k > e {
-            return Err(QmoeError::Config(format!("top-k = {top_k} with {e} experts")).into());
+            return Err(QmoeError::InvalidArgument {
+                argument: "top_k".into(),
+                reason: format!("top-k = {top_k} with {e} experts"),
+            }
+            .into());
         }
         let want = [e, experts.hidden_size()];
         if router.weight().dims() != want {
-            return Err(QmoeError::Shape {
-                name: "router (mlp.gate.weight)".into(),
+            return Err(QmoeError::ShapeMismatch {
+                tensor: "router (mlp.gate.weight)".into(),
                 got: router.weight().dims().to_vec(),
                 expected: want.to_vec(),
             }

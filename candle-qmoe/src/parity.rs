@@ -38,21 +38,27 @@ pub struct Golden {
     pub prompts: Vec<GoldenPrompt>,
 }
 
-fn golden_err(msg: String) -> candle::Error {
-    QmoeError::Config(format!("golden file: {msg}")).into()
+fn golden_err(reason: String) -> QmoeError {
+    QmoeError::InvalidFile {
+        file: "golden file".into(),
+        reason,
+    }
 }
 
 impl Golden {
     /// Reads a golden safetensors file onto the CPU.
-    pub fn load(path: impl AsRef<Path>) -> candle::Result<Self> {
+    pub fn load(path: impl AsRef<Path>) -> crate::Result<Self> {
         let path = path.as_ref();
-        let tensors = candle::safetensors::load(path, &Device::Cpu)
-            .map_err(|e| golden_err(format!("cannot read `{}`: {e}", path.display())))?;
+        let tensors =
+            candle::safetensors::load(path, &Device::Cpu).map_err(|e| QmoeError::InvalidFile {
+                file: format!("golden file `{}`", path.display()),
+                reason: e.to_string(),
+            })?;
         Self::from_tensors(tensors)
     }
 
     /// Collects `prompt0.*`, `prompt1.*`, … from loaded tensors, checking names and shapes.
-    pub fn from_tensors(mut t: HashMap<String, Tensor>) -> candle::Result<Self> {
+    pub fn from_tensors(mut t: HashMap<String, Tensor>) -> crate::Result<Self> {
         let mut prompts = Vec::new();
         while t.contains_key(&format!("prompt{}.input_ids", prompts.len())) {
             let p = prompts.len();
@@ -61,7 +67,7 @@ impl Golden {
                 t.remove(&name)
                     .ok_or_else(|| golden_err(format!("missing `{name}`")))
             };
-            let ids = |t: Tensor| -> candle::Result<Vec<u32>> {
+            let ids = |t: Tensor| -> crate::Result<Vec<u32>> {
                 t.to_dtype(DType::I64)?
                     .flatten_all()?
                     .to_vec1::<i64>()?
@@ -120,8 +126,8 @@ pub struct LogitAgreement {
 /// Compares logits `ours` with `reference`, both `[rows, vocab]` (computed in f64).
 pub fn logit_agreement(ours: &Tensor, reference: &Tensor) -> candle::Result<LogitAgreement> {
     if ours.dims() != reference.dims() || ours.rank() != 2 {
-        return Err(QmoeError::Shape {
-            name: "logits".into(),
+        return Err(QmoeError::ShapeMismatch {
+            tensor: "logits".into(),
             got: ours.dims().to_vec(),
             expected: reference.dims().to_vec(),
         }
@@ -187,19 +193,22 @@ pub fn router_agreement(ours: &[Tensor], golden: &Tensor, top_k: &[usize]) -> ca
     let layers = golden.dim(0)?;
     if ours.len() != layers || top_k.len() != layers {
         return Err(golden_err(format!(
-            "router_logits has {layers} MoE layers, the model {}",
-            ours.len()
-        )));
+            "router_logits has {layers} MoE layers, the model {} (top-k given for {})",
+            ours.len(),
+            top_k.len()
+        ))
+        .into());
     }
     let (mut same, mut total) = (0usize, 0usize);
     for (l, (o, &k)) in ours.iter().zip(top_k).enumerate() {
         let g = golden.get(l)?;
         if o.dims() != g.dims() {
-            return Err(golden_err(format!(
-                "router_logits of MoE layer {l} is {:?}, the model's {:?}",
-                g.dims(),
-                o.dims()
-            )));
+            return Err(QmoeError::ShapeMismatch {
+                tensor: format!("golden router_logits of MoE layer {l}"),
+                got: g.dims().to_vec(),
+                expected: o.dims().to_vec(),
+            }
+            .into());
         }
         let (a, b) = (topk_sets(o, k)?, topk_sets(&g, k)?);
         same += a.iter().zip(&b).filter(|(x, y)| x == y).count();
@@ -264,7 +273,7 @@ pub fn compare_prompt(
     let steps = golden.greedy_ids.len();
     let len = golden.input_ids.len();
     if steps == 0 || len == 0 {
-        return Err(golden_err("a prompt needs input ids and greedy ids".into()));
+        return Err(golden_err("a prompt needs input ids and greedy ids".into()).into());
     }
     let mut seq = golden.input_ids.clone();
     seq.extend(&golden.greedy_ids[..steps - 1]);

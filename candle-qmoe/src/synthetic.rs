@@ -286,9 +286,11 @@ impl FromStr for SyntheticKind {
             .into_iter()
             .find(|k| k.name() == s)
             .ok_or_else(|| {
-                QmoeError::Config(format!(
-                    "unknown synthetic model `{s}` (use one of: tiny, olmoe, qwen2moe)"
-                ))
+                QmoeError::unsupported(
+                    "synthetic model",
+                    s,
+                    "is not supported (use one of: tiny, olmoe, qwen2moe)",
+                )
             })
     }
 }
@@ -718,6 +720,10 @@ mod tests {
                 .spec()
                 .unwrap();
         }
-        assert!("mixtral".parse::<SyntheticKind>().is_err());
+        assert!(matches!(
+            "mixtral".parse::<SyntheticKind>(),
+            Err(QmoeError::UnsupportedConfig { field, value, .. })
+                if field == "synthetic model" && value == "mixtral"
+        ));
     }
 }

@@ -26,26 +26,30 @@ impl RoutePlan {
     /// `num_experts` and that no token picks the same expert twice.
     pub fn new(expert_ids: &[u32], top_k: usize, num_experts: usize) -> Result<Self, QmoeError> {
         if top_k == 0 || !expert_ids.len().is_multiple_of(top_k) {
-            return Err(QmoeError::Config(format!(
-                "{} expert ids do not form rows of top-k = {top_k}",
-                expert_ids.len()
-            )));
+            return Err(QmoeError::InvalidArgument {
+                argument: "expert_ids".into(),
+                reason: format!(
+                    "{} expert ids do not form rows of top-k = {top_k}",
+                    expert_ids.len()
+                ),
+            });
         }
         let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); num_experts];
         for (slot, &e) in expert_ids.iter().enumerate() {
             let e = e as usize;
             if e >= num_experts {
-                return Err(QmoeError::Config(format!(
-                    "expert id {e} at token {} is out of range for {num_experts} experts",
-                    slot / top_k
-                )));
+                return Err(QmoeError::ExpertOutOfRange {
+                    token: slot / top_k,
+                    expert: e,
+                    num_experts,
+                });
             }
             if let Some(&prev) = by_expert[e].last() {
                 if prev / top_k == slot / top_k {
-                    return Err(QmoeError::Config(format!(
-                        "token {} routes to expert {e} twice",
-                        slot / top_k
-                    )));
+                    return Err(QmoeError::DuplicateExpert {
+                        token: slot / top_k,
+                        expert: e,
+                    });
                 }
             }
             by_expert[e].push(slot);

@@ -8,7 +8,7 @@ use candle_nn::{embedding, Embedding, Linear, VarBuilder};
 use super::config::{ModelConfig, ModelSpec};
 use super::experts::ExpertsLoader;
 use super::layers::{causal_mask, DecoderLayer, FeedForward, RmsNorm, RotaryEmbedding};
-use crate::SparseMoe;
+use crate::{QmoeError, SparseMoe};
 
 /// A decoder-only MoE causal LM (OLMoE or Qwen2-MoE layout) with a KV cache.
 ///
@@ -104,36 +104,51 @@ impl MoeForCausalLm {
         input_ids: &Tensor,
         seqlen_offset: usize,
     ) -> candle::Result<(usize, usize)> {
+        let invalid = |argument: &str, reason: String| -> candle::Error {
+            QmoeError::InvalidArgument {
+                argument: argument.into(),
+                reason,
+            }
+            .into()
+        };
         let Ok((b, s)) = input_ids.dims2() else {
-            candle::bail!(
-                "input_ids must be [batch, seq_len], got shape {:?}",
-                input_ids.dims()
-            );
+            return Err(invalid(
+                "input_ids",
+                format!("must be [batch, seq_len], got shape {:?}", input_ids.dims()),
+            ));
         };
         if b == 0 || s == 0 {
-            candle::bail!("input_ids is empty (shape {:?})", input_ids.dims());
+            return Err(invalid(
+                "input_ids",
+                format!("it is empty (shape {:?})", input_ids.dims()),
+            ));
         }
         if seqlen_offset != self.cached {
-            candle::bail!(
-                "seqlen_offset = {seqlen_offset} but the KV cache holds {} tokens; call \
-                 clear_kv_cache() before starting a new sequence",
-                self.cached
-            );
+            return Err(invalid(
+                "seqlen_offset",
+                format!(
+                    "{seqlen_offset} but the KV cache holds {} tokens; call clear_kv_cache() \
+                     before starting a new sequence",
+                    self.cached
+                ),
+            ));
         }
-        let max = self.spec.max_position_embeddings;
-        if seqlen_offset + s > max {
-            candle::bail!(
-                "sequence too long: {seqlen_offset} cached + {s} new tokens exceed the model's \
-                 context (max_position_embeddings = {max})"
-            );
+        let context = self.spec.max_position_embeddings;
+        if seqlen_offset + s > context {
+            return Err(QmoeError::ContextExceeded {
+                cached: seqlen_offset,
+                new: s,
+                context,
+            }
+            .into());
         }
         let ids = input_ids
             .to_dtype(DType::I64)?
             .flatten_all()?
             .to_vec1::<i64>()?;
-        let vocab = self.spec.vocab_size;
-        if let Some(bad) = ids.iter().find(|&&t| t < 0 || t as usize >= vocab) {
-            candle::bail!("token id {bad} is outside the vocabulary (vocab_size = {vocab})");
+        let vocab_size = self.spec.vocab_size;
+        if let Some(&token) = ids.iter().find(|&&t| t < 0 || t as usize >= vocab_size) {
+            return Err(QmoeError::TokenOutOfVocab { token, vocab_size }.into());
         }
         Ok((b, s))
     }

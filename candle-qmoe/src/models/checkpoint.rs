@@ -19,40 +19,40 @@ pub const SINGLE_FILE: &str = "model.safetensors";
 /// The index of a sharded checkpoint.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 
-fn missing(msg: String) -> candle::Error {
-    QmoeError::Config(msg).into()
-}
-
 /// The safetensors files of the checkpoint in `dir`: `model.safetensors`, or else every shard
 /// named in `model.safetensors.index.json`'s `weight_map` (sorted, each once). A missing file is an
 /// error that names it.
-pub fn checkpoint_files(dir: impl AsRef<Path>) -> candle::Result<Vec<PathBuf>> {
+pub fn checkpoint_files(dir: impl AsRef<Path>) -> crate::Result<Vec<PathBuf>> {
     let dir = dir.as_ref();
+    let invalid = |reason: String| QmoeError::InvalidCheckpoint {
+        dir: dir.to_path_buf(),
+        reason,
+    };
     let single = dir.join(SINGLE_FILE);
     if single.is_file() {
         return Ok(vec![single]);
     }
     let index = dir.join(INDEX_FILE);
     if !index.is_file() {
-        return Err(missing(format!(
-            "no {SINGLE_FILE} or {INDEX_FILE} in `{}`",
-            dir.display()
-        )));
+        return Err(invalid(format!("no {SINGLE_FILE} or {INDEX_FILE}")));
     }
-    let text = std::fs::read_to_string(&index)
-        .map_err(|e| missing(format!("cannot read `{}`: {e}", index.display())))?;
-    let json: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| missing(format!("`{}` is not valid JSON: {e}", index.display())))?;
+    let bad_index = |reason: String| QmoeError::InvalidFile {
+        file: format!("`{}`", index.display()),
+        reason,
+    };
+    let text = std::fs::read_to_string(&index).map_err(|source| QmoeError::Io {
+        path: index.clone(),
+        source,
+    })?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| bad_index(format!("not valid JSON: {e}")))?;
     let map = json
         .get("weight_map")
         .and_then(|m| m.as_object())
-        .ok_or_else(|| missing(format!("`{}` has no `weight_map` object", index.display())))?;
+        .ok_or_else(|| bad_index("no `weight_map` object".into()))?;
     let shards: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
     if shards.is_empty() {
-        return Err(missing(format!(
-            "`{}` names no shard files",
-            index.display()
-        )));
+        return Err(bad_index("it names no shard files".into()));
     }
     shards
         .into_iter()
@@ -61,7 +61,7 @@ pub fn checkpoint_files(dir: impl AsRef<Path>) -> candle::Result<Vec<PathBuf>> {
             if p.is_file() {
                 Ok(p)
             } else {
-                Err(missing(format!(
+                Err(invalid(format!(
                     "shard `{}` listed in {INDEX_FILE} is missing",
                     p.display()
                 )))
@@ -81,9 +81,9 @@ pub unsafe fn mmap_checkpoint(
     dir: impl AsRef<Path>,
     dtype: DType,
     device: &Device,
-) -> candle::Result<VarBuilder<'static>> {
+) -> crate::Result<VarBuilder<'static>> {
     let files = checkpoint_files(dir)?;
-    VarBuilder::from_mmaped_safetensors(&files, dtype, device)
+    Ok(VarBuilder::from_mmaped_safetensors(&files, dtype, device)?)
 }
 
 /// The name of the router weight of decoder layer `layer`.
@@ -94,13 +94,17 @@ pub fn router_weight_name(layer: usize) -> String {
 /// The fingerprint a `.qmoe` pack records of its source (see
 /// [`crate::pack::file::checkpoint_fingerprint`]): `config.json`'s bytes and the raw stored bytes of
 /// every MoE layer's router weight, so a pack is tied to this checkpoint and no other.
-pub fn fingerprint(dir: impl AsRef<Path>) -> candle::Result<String> {
+pub fn fingerprint(dir: impl AsRef<Path>) -> crate::Result<String> {
     let dir = dir.as_ref();
     let config_path = dir.join("config.json");
-    let config = std::fs::read(&config_path)
-        .map_err(|e| QmoeError::Config(format!("cannot read `{}`: {e}", config_path.display())))?;
-    let text = std::str::from_utf8(&config)
-        .map_err(|e| QmoeError::Config(format!("`{}` is not UTF-8: {e}", config_path.display())))?;
+    let config = std::fs::read(&config_path).map_err(|source| QmoeError::Io {
+        path: config_path.clone(),
+        source,
+    })?;
+    let text = std::str::from_utf8(&config).map_err(|e| QmoeError::InvalidFile {
+        file: format!("`{}`", config_path.display()),
+        reason: format!("not UTF-8: {e}"),
+    })?;
     let spec = AnyConfig::from_json_str(text)?.spec()?;
     let files = checkpoint_files(dir)?;
     // SAFETY: read-only maps, dropped before returning; the same contract as `mmap_checkpoint`.
@@ -110,15 +114,12 @@ pub fn fingerprint(dir: impl AsRef<Path>) -> candle::Result<String> {
         .into_iter()
         .map(|i| {
             let name = router_weight_name(i);
-            st.get(&name).map_err(|_| {
-                QmoeError::Config(format!(
-                    "checkpoint `{}` has no tensor `{name}`",
-                    dir.display()
-                ))
-                .into()
+            st.get(&name).map_err(|_| QmoeError::InvalidCheckpoint {
+                dir: dir.to_path_buf(),
+                reason: format!("no tensor `{name}`"),
             })
         })
-        .collect::<candle::Result<Vec<_>>>()?;
+        .collect::<crate::Result<Vec<_>>>()?;
     Ok(checkpoint_fingerprint(
         &config,
         routers.iter().map(|v| v.data()),
@@ -159,7 +160,7 @@ pub fn quantize_checkpoint(
     dir: impl AsRef<Path>,
     opts: &QuantizeOptions,
     on_progress: &(dyn Fn(usize, usize) + Sync),
-) -> candle::Result<PackFile> {
+) -> crate::Result<PackFile> {
     let dir = dir.as_ref();
     let spec = AnyConfig::from_file(dir.join("config.json"))?.spec()?;
     let moe = spec.uniform_moe()?.clone();
@@ -191,7 +192,7 @@ pub fn quantize_checkpoint(
             )?;
             Ok((i, pack))
         })
-        .collect::<candle::Result<Vec<_>>>()?;
+        .collect::<crate::Result<Vec<_>>>()?;
     let source_model = if opts.source_model.is_empty() {
         dir.display().to_string()
     } else {
@@ -205,5 +206,5 @@ pub fn quantize_checkpoint(
         source_revision: opts.source_revision.clone(),
         fingerprint,
     };
-    Ok(PackFile::from_layers(meta, packs)?)
+    PackFile::from_layers(meta, packs)
 }

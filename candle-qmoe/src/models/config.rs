@@ -12,7 +12,7 @@ use crate::QmoeError;
 /// [`super::AnyConfig`], or a [`ModelSpec`] itself.
 pub trait ModelConfig {
     /// The validated architecture.
-    fn spec(&self) -> candle::Result<ModelSpec>;
+    fn spec(&self) -> crate::Result<ModelSpec>;
 }
 
 /// Attention options that differ between the families.
@@ -84,14 +84,10 @@ pub struct ModelSpec {
     pub layers: Vec<FfnSpec>,
 }
 
-fn config_err(msg: String) -> candle::Error {
-    QmoeError::Config(msg).into()
-}
-
 impl ModelSpec {
-    /// Checks that the numbers are consistent; every problem is a [`QmoeError::Config`].
-    pub fn validate(&self) -> candle::Result<()> {
-        let t = &self.model_type;
+    /// Checks that the numbers are consistent; every problem is a
+    /// [`QmoeError::UnsupportedConfig`].
+    pub fn validate(&self) -> crate::Result<()> {
         for (name, v) in [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
@@ -102,44 +98,54 @@ impl ModelSpec {
             ("num_hidden_layers", self.layers.len()),
         ] {
             if v == 0 {
-                return Err(config_err(format!("{t}: {name} must be > 0")));
+                return Err(QmoeError::unsupported(name, v, "must be > 0"));
             }
         }
         if !self.num_heads.is_multiple_of(self.num_kv_heads) {
-            return Err(config_err(format!(
-                "{t}: num_key_value_heads = {} does not divide num_attention_heads = {}",
-                self.num_kv_heads, self.num_heads
-            )));
+            return Err(QmoeError::unsupported(
+                "num_key_value_heads",
+                self.num_kv_heads,
+                format!("does not divide num_attention_heads = {}", self.num_heads),
+            ));
         }
         if !self.head_dim.is_multiple_of(2) {
-            return Err(config_err(format!(
-                "{t}: head_dim = {} must be even for rotary embeddings",
-                self.head_dim
-            )));
+            return Err(QmoeError::unsupported(
+                "head_dim",
+                self.head_dim,
+                "must be even for rotary embeddings",
+            ));
         }
         if self.attention.qk_norm && self.num_heads * self.head_dim != self.hidden_size {
-            return Err(config_err(format!(
-                "{t}: q/k norm needs num_attention_heads × head_dim = hidden_size, got {} × {} ≠ {}",
-                self.num_heads, self.head_dim, self.hidden_size
-            )));
+            return Err(QmoeError::unsupported(
+                "hidden_size",
+                self.hidden_size,
+                format!(
+                    "must be num_attention_heads × head_dim = {} × {} for the q/k norm",
+                    self.num_heads, self.head_dim
+                ),
+            ));
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
-            return Err(config_err(format!(
-                "{t}: rope_theta = {} must be a positive number",
-                self.rope_theta
-            )));
+            return Err(QmoeError::unsupported(
+                "rope_theta",
+                self.rope_theta,
+                "must be a positive number",
+            ));
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
-            return Err(config_err(format!(
-                "{t}: rms_norm_eps = {} must be a positive number",
-                self.rms_norm_eps
-            )));
+            return Err(QmoeError::unsupported(
+                "rms_norm_eps",
+                self.rms_norm_eps,
+                "must be a positive number",
+            ));
         }
         if let Some(c) = self.attention.clip_qkv {
             if !(c.is_finite() && c > 0.0) {
-                return Err(config_err(format!(
-                    "{t}: clip_qkv = {c} must be a positive number"
-                )));
+                return Err(QmoeError::unsupported(
+                    "clip_qkv",
+                    c,
+                    "must be a positive number",
+                ));
             }
         }
         for (i, layer) in self.layers.iter().enumerate() {
@@ -147,26 +153,35 @@ impl ModelSpec {
                 FfnSpec::Dense { intermediate_size } => (*intermediate_size, "intermediate_size"),
                 FfnSpec::Moe(m) => {
                     if m.num_experts == 0 {
-                        return Err(config_err(format!(
-                            "{t}: layer {i} is a MoE layer but num_experts = 0"
-                        )));
+                        return Err(QmoeError::unsupported(
+                            "num_experts",
+                            0,
+                            format!("but layer {i} is a MoE layer"),
+                        ));
                     }
                     if m.top_k == 0 || m.top_k > m.num_experts {
-                        return Err(config_err(format!(
-                            "{t}: num_experts_per_tok = {} must be between 1 and num_experts = {}",
-                            m.top_k, m.num_experts
-                        )));
+                        return Err(QmoeError::unsupported(
+                            "num_experts_per_tok",
+                            m.top_k,
+                            format!("must be between 1 and num_experts = {}", m.num_experts),
+                        ));
                     }
                     if m.shared_intermediate_size == Some(0) {
-                        return Err(config_err(format!(
-                            "{t}: shared_expert_intermediate_size must be > 0"
-                        )));
+                        return Err(QmoeError::unsupported(
+                            "shared_expert_intermediate_size",
+                            0,
+                            "must be > 0",
+                        ));
                     }
                     (m.intermediate_size, "expert intermediate size")
                 }
             };
             if inter == 0 {
-                return Err(config_err(format!("{t}: layer {i}: {what} must be > 0")));
+                return Err(QmoeError::unsupported(
+                    what,
+                    0,
+                    format!("must be > 0 (layer {i})"),
+                ));
             }
         }
         Ok(())
@@ -179,19 +194,20 @@ impl ModelSpec {
 
     /// The routed-expert settings every MoE layer shares (what one expert pack describes); an
     /// error when the model has no MoE layer or its MoE layers differ.
-    pub fn uniform_moe(&self) -> candle::Result<&MoeSpec> {
+    pub fn uniform_moe(&self) -> crate::Result<&MoeSpec> {
         let mut moe = self.layers.iter().filter_map(|l| match l {
             FfnSpec::Moe(m) => Some(m),
             FfnSpec::Dense { .. } => None,
         });
         let first = moe.next().ok_or_else(|| {
-            config_err(format!("{}: the model has no MoE layer", self.model_type))
+            QmoeError::unsupported("model_type", &self.model_type, "without a MoE layer")
         })?;
         if moe.any(|m| m != first) {
-            return Err(config_err(format!(
-                "{}: MoE layers with different expert shapes cannot share one expert pack",
-                self.model_type
-            )));
+            return Err(QmoeError::unsupported(
+                "model_type",
+                &self.model_type,
+                "with MoE layers of different expert shapes (they cannot share one expert pack)",
+            ));
         }
         Ok(first)
     }
@@ -208,7 +224,7 @@ impl ModelSpec {
 }
 
 impl ModelConfig for ModelSpec {
-    fn spec(&self) -> candle::Result<ModelSpec> {
+    fn spec(&self) -> crate::Result<ModelSpec> {
         self.validate()?;
         Ok(self.clone())
     }
@@ -281,7 +297,7 @@ pub struct CommonConfig {
 impl CommonConfig {
     /// The RoPE base from either spelling (default 10000), refusing RoPE scaling types other than
     /// `default`.
-    pub fn rope_theta(&self) -> candle::Result<f64> {
+    pub fn rope_theta(&self) -> crate::Result<f64> {
         let params = self.rope_parameters.as_ref();
         let scaling_type = self.rope_scaling.as_ref().and_then(|v| {
             v.get("rope_type")
@@ -290,9 +306,11 @@ impl CommonConfig {
         });
         let rope_type = params.and_then(|p| p.rope_type.as_deref()).or(scaling_type);
         if let Some(rt) = rope_type.filter(|rt| *rt != "default") {
-            return Err(config_err(format!(
-                "RoPE type `{rt}` is not supported (only the default RoPE)"
-            )));
+            return Err(QmoeError::unsupported(
+                "rope_type",
+                rt,
+                "is not supported (only the default RoPE)",
+            ));
         }
         Ok(self
             .rope_theta
@@ -310,25 +328,30 @@ impl CommonConfig {
         default_eps: f64,
         attention: AttentionSpec,
         layer: impl Fn(usize) -> FfnSpec,
-    ) -> candle::Result<ModelSpec> {
+    ) -> crate::Result<ModelSpec> {
         if let Some(t) = self.model_type.as_deref().filter(|t| *t != expected_type) {
-            return Err(config_err(format!(
-                "model_type `{t}` is not supported by the `{expected_type}` port"
-            )));
+            return Err(QmoeError::unsupported(
+                "model_type",
+                t,
+                format!("is not supported by the `{expected_type}` port"),
+            ));
         }
         if let Some(act) = self.hidden_act.as_deref().filter(|a| *a != "silu") {
-            return Err(config_err(format!(
-                "{expected_type}: hidden_act `{act}` is not supported (only silu)"
-            )));
+            return Err(QmoeError::unsupported(
+                "hidden_act",
+                act,
+                "is not supported (only silu)",
+            ));
         }
         let heads = self.num_attention_heads;
         let head_dim = match self.head_dim {
             Some(d) => d,
             None if heads == 0 || !self.hidden_size.is_multiple_of(heads) => {
-                return Err(config_err(format!(
-                    "{expected_type}: num_attention_heads = {heads} does not divide hidden_size = {}",
-                    self.hidden_size
-                )))
+                return Err(QmoeError::unsupported(
+                    "num_attention_heads",
+                    heads,
+                    format!("does not divide hidden_size = {}", self.hidden_size),
+                ))
             }
             None => self.hidden_size / heads,
         };

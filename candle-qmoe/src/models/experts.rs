@@ -121,7 +121,7 @@ impl PackedExperts {
     }
 
     /// INT4 experts from `pack` for the checkpoint in `dir` (computes its fingerprint).
-    pub fn for_checkpoint(pack: Arc<PackFile>, dir: impl AsRef<Path>) -> candle::Result<Self> {
+    pub fn for_checkpoint(pack: Arc<PackFile>, dir: impl AsRef<Path>) -> crate::Result<Self> {
         Ok(Self::new(pack, super::checkpoint::fingerprint(dir)?))
     }
 

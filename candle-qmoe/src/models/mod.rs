@@ -48,9 +48,11 @@ pub const SUPPORTED_MODEL_TYPES: [&str; 2] = [olmoe::MODEL_TYPE, qwen2_moe::MODE
 pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(
     json: &str,
     what: &str,
-) -> candle::Result<T> {
-    serde_json::from_str(json)
-        .map_err(|e| QmoeError::Config(format!("invalid {what} config.json: {e}")).into())
+) -> crate::Result<T> {
+    serde_json::from_str(json).map_err(|e| QmoeError::InvalidFile {
+        file: format!("{what} config.json"),
+        reason: e.to_string(),
+    })
 }
 
 /// A config of either supported family, chosen by `model_type` (or `architectures`).
@@ -64,9 +66,8 @@ pub enum AnyConfig {
 
 impl AnyConfig {
     /// Parses a `config.json` text, refusing unsupported model types by name.
-    pub fn from_json_str(json: &str) -> candle::Result<Self> {
-        let value: serde_json::Value = serde_json::from_str(json)
-            .map_err(|e| QmoeError::Config(format!("config.json is not valid JSON: {e}")))?;
+    pub fn from_json_str(json: &str) -> crate::Result<Self> {
+        let value: serde_json::Value = parse_json(json, "model")?;
         let model_type = value.get("model_type").and_then(|t| t.as_str());
         let arch = value
             .get("architectures")
@@ -77,28 +78,34 @@ impl AnyConfig {
             (None, Some("OlmoeForCausalLM")) => olmoe::MODEL_TYPE,
             (None, Some("Qwen2MoeForCausalLM")) => qwen2_moe::MODEL_TYPE,
             (None, other) => {
-                return Err(QmoeError::Config(format!(
-                    "config.json has no model_type and an unsupported architecture {other:?} \
-                     (supported model types: {SUPPORTED_MODEL_TYPES:?})"
+                return Err(QmoeError::unsupported(
+                    "architectures",
+                    other.unwrap_or("[]"),
+                    format!(
+                        "is not supported and model_type is absent (supported model types: \
+                         {SUPPORTED_MODEL_TYPES:?})"
+                    ),
                 ))
-                .into())
             }
         };
         match kind {
             olmoe::MODEL_TYPE => Ok(Self::Olmoe(olmoe::Config::from_json_str(json)?)),
             qwen2_moe::MODEL_TYPE => Ok(Self::Qwen2Moe(qwen2_moe::Config::from_json_str(json)?)),
-            other => Err(QmoeError::Config(format!(
-                "model_type `{other}` is not supported (supported: {SUPPORTED_MODEL_TYPES:?})"
-            ))
-            .into()),
+            other => Err(QmoeError::unsupported(
+                "model_type",
+                other,
+                format!("is not supported (supported: {SUPPORTED_MODEL_TYPES:?})"),
+            )),
         }
     }
 
     /// Reads and parses a `config.json` file.
-    pub fn from_file(path: impl AsRef<Path>) -> candle::Result<Self> {
+    pub fn from_file(path: impl AsRef<Path>) -> crate::Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| QmoeError::Config(format!("cannot read `{}`: {e}", path.display())))?;
+        let text = std::fs::read_to_string(path).map_err(|source| QmoeError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
         Self::from_json_str(&text)
     }
 
@@ -120,7 +127,7 @@ impl AnyConfig {
 }
 
 impl ModelConfig for AnyConfig {
-    fn spec(&self) -> candle::Result<ModelSpec> {
+    fn spec(&self) -> crate::Result<ModelSpec> {
         match self {
             Self::Olmoe(c) => c.spec(),
             Self::Qwen2Moe(c) => c.spec(),

@@ -29,13 +29,13 @@ pub struct Config {
 
 impl Config {
     /// Parses a `config.json` text.
-    pub fn from_json_str(json: &str) -> candle::Result<Self> {
+    pub fn from_json_str(json: &str) -> crate::Result<Self> {
         super::parse_json(json, MODEL_TYPE)
     }
 }
 
 impl ModelConfig for Config {
-    fn spec(&self) -> candle::Result<ModelSpec> {
+    fn spec(&self) -> crate::Result<ModelSpec> {
         let c = &self.common;
         let bias = self.attention_bias.unwrap_or(false);
         let attention = AttentionSpec {

@@ -41,7 +41,7 @@ pub struct Config {
 
 impl Config {
     /// Parses a `config.json` text.
-    pub fn from_json_str(json: &str) -> candle::Result<Self> {
+    pub fn from_json_str(json: &str) -> crate::Result<Self> {
         super::parse_json(json, MODEL_TYPE)
     }
 
@@ -57,18 +57,20 @@ impl Config {
 }
 
 impl ModelConfig for Config {
-    fn spec(&self) -> candle::Result<ModelSpec> {
+    fn spec(&self) -> crate::Result<ModelSpec> {
         if self.decoder_sparse_step == Some(0) {
-            return Err(QmoeError::Config(format!(
-                "{MODEL_TYPE}: decoder_sparse_step must be > 0"
-            ))
-            .into());
+            return Err(QmoeError::unsupported(
+                "decoder_sparse_step",
+                0,
+                "must be > 0",
+            ));
         }
         if self.use_sliding_window == Some(true) {
-            return Err(QmoeError::Config(format!(
-                "{MODEL_TYPE}: use_sliding_window = true is not supported"
-            ))
-            .into());
+            return Err(QmoeError::unsupported(
+                "use_sliding_window",
+                true,
+                "is not supported",
+            ));
         }
         let c = &self.common;
         let attention = AttentionSpec {

@@ -62,20 +62,25 @@ fn tensor_name(layer: usize) -> String {
     format!("layers.{layer}.experts")
 }
 
-fn bad(path: &Path, msg: impl std::fmt::Display) -> QmoeError {
-    QmoeError::Pack(format!("{}: {msg}", path.display()))
+fn bad(path: &Path, reason: impl std::fmt::Display) -> QmoeError {
+    QmoeError::CorruptPack {
+        path: path.to_path_buf(),
+        reason: reason.to_string(),
+    }
 }
 
 /// Checks that layer `i`'s pack has the layout and expert count the header announces.
-fn check_layer(meta: &PackMeta, i: usize, p: &LayerPack) -> Result<(), QmoeError> {
+fn check_layer(meta: &PackMeta, i: usize, p: &LayerPack) -> crate::Result<()> {
     if p.layout() != meta.layout || p.num_experts() != meta.num_experts {
-        return Err(QmoeError::Pack(format!(
-            "layer {i} has layout {:?} × {} experts, the header says {:?} × {}",
-            p.layout(),
-            p.num_experts(),
-            meta.layout,
-            meta.num_experts
-        )));
+        return Err(QmoeError::InvalidPack {
+            reason: format!(
+                "layer {i} has layout {:?} × {} experts, the header says {:?} × {}",
+                p.layout(),
+                p.num_experts(),
+                meta.layout,
+                meta.num_experts
+            ),
+        });
     }
     Ok(())
 }
@@ -87,22 +92,26 @@ impl PackFile {
     pub fn from_layers(
         meta: PackMeta,
         layers: impl IntoIterator<Item = (usize, LayerPack)>,
-    ) -> Result<Self, QmoeError> {
+    ) -> crate::Result<Self> {
         let mut map = BTreeMap::new();
         for (i, p) in layers {
             check_layer(&meta, i, &p)?;
             if map.insert(i, p).is_some() {
-                return Err(QmoeError::Pack(format!("layer {i} is given twice")));
+                return Err(QmoeError::InvalidPack {
+                    reason: format!("layer {i} is given twice"),
+                });
             }
         }
         if map.is_empty() {
-            return Err(QmoeError::Pack("a pack needs at least one layer".into()));
+            return Err(QmoeError::InvalidPack {
+                reason: "a pack needs at least one layer".into(),
+            });
         }
         Ok(Self { meta, layers: map })
     }
 
     /// Writes this pack to `path` (see [`PackFile::write`]).
-    pub fn save(&self, path: &Path) -> candle::Result<()> {
+    pub fn save(&self, path: &Path) -> crate::Result<()> {
         let layers: Vec<(usize, LayerPack)> =
             self.layers.iter().map(|(i, p)| (*i, p.clone())).collect();
         Self::write(path, &self.meta, &layers)
@@ -114,11 +123,7 @@ impl PackFile {
     }
 
     /// Writes `layers` (MoE layer index → pack) with `meta` to `path`.
-    pub fn write(
-        path: &Path,
-        meta: &PackMeta,
-        layers: &[(usize, LayerPack)],
-    ) -> candle::Result<()> {
+    pub fn write(path: &Path, meta: &PackMeta, layers: &[(usize, LayerPack)]) -> crate::Result<()> {
         let mut info: HashMap<String, String> = HashMap::new();
         let l = meta.layout;
         for (k, v) in [
@@ -137,8 +142,7 @@ impl PackFile {
             ("fingerprint", meta.fingerprint.clone()),
             (
                 "layers",
-                serde_json::to_string(&layers.iter().map(|(i, _)| *i).collect::<Vec<_>>())
-                    .map_err(candle::Error::wrap)?,
+                serde_json::json!(layers.iter().map(|(i, _)| *i).collect::<Vec<_>>()).to_string(),
             ),
         ] {
             info.insert(k.to_string(), v);
@@ -151,15 +155,24 @@ impl PackFile {
                 vec![p.num_experts(), l.slab_bytes()],
                 p.bytes(),
             )
-            .map_err(candle::Error::wrap)?;
+            .map_err(candle::Error::from)?;
             views.push((tensor_name(*i), view));
         }
-        safetensors::serialize_to_file(views, Some(info), path).map_err(candle::Error::wrap)
+        safetensors::serialize_to_file(views, Some(info), path).map_err(|e| match e {
+            safetensors::SafeTensorError::IoError(source) => QmoeError::Io {
+                path: path.to_path_buf(),
+                source,
+            },
+            e => candle::Error::from(e).into(),
+        })
     }
 
     /// Memory-maps and validates a `.qmoe` file.
-    pub fn open(path: &Path) -> candle::Result<Self> {
-        let file = std::fs::File::open(path).map_err(|e| bad(path, e))?;
+    pub fn open(path: &Path) -> crate::Result<Self> {
+        let file = std::fs::File::open(path).map_err(|source| QmoeError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
         // SAFETY: the file is opened read-only and the map is never written; as with every
         // mmap-backed safetensors loader, the file must not be truncated while mapped.
         let map = Arc::new(unsafe { memmap2::Mmap::map(&file) }.map_err(|e| bad(path, e))?);
@@ -178,31 +191,30 @@ impl PackFile {
                 .cloned()
                 .ok_or_else(|| bad(path, format!("metadata lacks `{k}`")))
         };
-        let num = |k: &str| -> Result<usize, QmoeError> {
+        let num = |k: &str| -> crate::Result<usize> {
             get(k)?
                 .parse::<usize>()
                 .map_err(|_| bad(path, format!("metadata `{k}` is not a number")))
         };
         if get("format")? != FORMAT {
-            return Err(bad(path, "not a candle-qmoe pack").into());
+            return Err(bad(path, "not a candle-qmoe pack"));
         }
         let version = num("format_version")?;
         if version != FORMAT_VERSION as usize {
             return Err(bad(
                 path,
                 format!("format version {version}, this build reads version {FORMAT_VERSION}; re-run quantize"),
-            )
-            .into());
+            ));
         }
         let layout = ExpertLayout {
             hidden: num("hidden")?,
             intermediate: num("intermediate")?,
-            group_size: GroupSize::new(num("group_size")?)?,
+            group_size: GroupSize::new(num("group_size")?).map_err(|e| bad(path, e))?,
         };
         let scale_search = match get("scale_search")?.as_str() {
             "mse" => ScaleSearch::Mse,
             "rtn" => ScaleSearch::Rtn,
-            other => return Err(bad(path, format!("unknown scale_search `{other}`")).into()),
+            other => return Err(bad(path, format!("unknown scale_search `{other}`"))),
         };
         let meta = PackMeta {
             layout,
@@ -229,8 +241,7 @@ impl PackFile {
                         "tensor `{name}` is {:?} {:?}, expected U8 {want:?}",
                         t.dtype, t.shape
                     ),
-                )
-                .into());
+                ));
             }
             let range = data_start + t.data_offsets.0..data_start + t.data_offsets.1;
             if range.end > map.len() {
@@ -241,11 +252,14 @@ impl PackFile {
                         range.end,
                         map.len()
                     ),
-                )
-                .into());
+                ));
             }
-            let pack = LayerPack::from_mmap(layout, meta.num_experts, map.clone(), range)
-                .map_err(|e| bad(path, e))?;
+            let pack = LayerPack::from_mmap(layout, meta.num_experts, map.clone(), range).map_err(
+                |e| match e {
+                    QmoeError::InvalidPack { reason } => bad(path, reason),
+                    e => e,
+                },
+            )?;
             layers.insert(i, pack);
         }
         Ok(Self { meta, layers })
@@ -262,11 +276,20 @@ impl PackFile {
     }
 
     /// The pack of MoE layer `i`.
-    pub fn layer(&self, i: usize) -> Result<LayerPack, QmoeError> {
+    pub fn layer(&self, i: usize) -> crate::Result<LayerPack> {
         self.layers
             .get(&i)
             .cloned()
-            .ok_or_else(|| QmoeError::Pack(format!("pack has no experts for layer {i}")))
+            .ok_or_else(|| self.mismatch(format!("the pack has no experts for layer {i}")))
+    }
+
+    /// A [`QmoeError::PackMismatch`] naming this pack's source.
+    fn mismatch(&self, reason: String) -> QmoeError {
+        QmoeError::PackMismatch {
+            source_model: self.meta.source_model.clone(),
+            source_revision: self.meta.source_revision.clone(),
+            reason,
+        }
     }
 
     /// Refuses a pack made from another checkpoint or with other shapes.
@@ -276,22 +299,20 @@ impl PackFile {
         layout_hidden: usize,
         layout_intermediate: usize,
         num_experts: usize,
-    ) -> Result<(), QmoeError> {
+    ) -> crate::Result<()> {
         let m = &self.meta;
         if m.fingerprint != fingerprint {
-            return Err(QmoeError::Pack(format!(
-                "pack was made from {} (revision {}, fingerprint {}…), not from this checkpoint \
-                 (fingerprint {}…); re-run quantize",
-                m.source_model,
-                m.source_revision,
-                &m.fingerprint[..m.fingerprint.len().min(12)],
-                &fingerprint[..fingerprint.len().min(12)]
+            let short = |f: &str| f.chars().take(12).collect::<String>();
+            return Err(self.mismatch(format!(
+                "its fingerprint {}… is not this checkpoint's {}…",
+                short(&m.fingerprint),
+                short(fingerprint)
             )));
         }
         if (m.layout.hidden, m.layout.intermediate, m.num_experts)
             != (layout_hidden, layout_intermediate, num_experts)
         {
-            return Err(QmoeError::Pack(format!(
+            return Err(self.mismatch(format!(
                 "pack holds H {} I {} × {} experts; the model has H {layout_hidden} I \
                  {layout_intermediate} × {num_experts}",
                 m.layout.hidden, m.layout.intermediate, m.num_experts
@@ -359,22 +380,40 @@ mod tests {
         assert_eq!(f.meta(), &meta);
         assert_eq!(f.layer_indices().collect::<Vec<_>>(), vec![1, 3]);
         assert_eq!(f.layer(3).unwrap().bytes(), layers[1].1.bytes());
-        assert!(f.layer(0).unwrap_err().to_string().contains("layer 0"));
-        f.check_source(&meta.fingerprint, 64, 40, 3).unwrap();
-        let other = checkpoint_fingerprint(b"{}", [&b"other router"[..]]);
-        let e = f.check_source(&other, 64, 40, 3).unwrap_err().to_string();
+        let e = f.layer(0).unwrap_err();
         assert!(
-            e.contains("test/model") && e.contains("re-run quantize"),
+            matches!(&e, QmoeError::PackMismatch { reason, .. } if reason.contains("layer 0")),
             "{e}"
         );
-        assert!(f.check_source(&meta.fingerprint, 64, 48, 3).is_err());
+        f.check_source(&meta.fingerprint, 64, 40, 3).unwrap();
+        let other = checkpoint_fingerprint(b"{}", [&b"other router"[..]]);
+        let e = f.check_source(&other, 64, 40, 3).unwrap_err();
+        assert!(
+            matches!(&e, QmoeError::PackMismatch { source_model, .. } if source_model == "test/model"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("re-run quantize"), "{e}");
+        assert!(matches!(
+            f.check_source(&meta.fingerprint, 64, 48, 3),
+            Err(QmoeError::PackMismatch { .. })
+        ));
 
         // Truncation, a foreign version and a non-safetensors file are clear errors.
+        let corrupt = |p: &Path| match PackFile::open(p).unwrap_err() {
+            QmoeError::CorruptPack { path, reason } => {
+                assert_eq!(path, p);
+                reason
+            }
+            e => panic!("{}: {e}", p.display()),
+        };
         let bytes = std::fs::read(&path).unwrap();
         let cut = dir.join("cut.qmoe");
         std::fs::write(&cut, &bytes[..bytes.len() - 100]).unwrap();
-        let e = PackFile::open(&cut).unwrap_err().to_string();
-        assert!(e.contains("cut.qmoe"), "{e}");
+        assert!(PackFile::open(&cut)
+            .unwrap_err()
+            .to_string()
+            .contains("cut.qmoe"));
+        corrupt(&cut);
         let needle = b"\"format_version\":\"1\"";
         let at = bytes
             .windows(needle.len())
@@ -384,14 +423,15 @@ mod tests {
         v7[at + needle.len() - 2] = b'7';
         let v7_path = dir.join("v7.qmoe");
         std::fs::write(&v7_path, &v7).unwrap();
-        let e = PackFile::open(&v7_path).unwrap_err().to_string();
+        let e = corrupt(&v7_path);
         assert!(e.contains("format version 7"), "{e}");
         let junk = dir.join("junk.qmoe");
         std::fs::write(&junk, b"not a pack at all").unwrap();
-        assert!(PackFile::open(&junk)
-            .unwrap_err()
-            .to_string()
-            .contains("junk.qmoe"));
+        corrupt(&junk);
+        assert!(matches!(
+            PackFile::open(&dir.join("absent.qmoe")),
+            Err(QmoeError::Io { .. })
+        ));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

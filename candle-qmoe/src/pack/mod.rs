@@ -33,10 +33,11 @@ impl GroupSize {
         if Self::SUPPORTED.contains(&size) {
             Ok(Self(size))
         } else {
-            Err(QmoeError::Config(format!(
-                "group size {size} is not supported (use one of {:?})",
-                Self::SUPPORTED
-            )))
+            Err(QmoeError::unsupported(
+                "group size",
+                size,
+                format!("is not supported (use one of {:?})", Self::SUPPORTED),
+            ))
         }
     }
     /// The size as a number.
@@ -62,16 +63,15 @@ pub struct DenseExpert {
     pub down: Tensor,
 }
 
-fn matrix_f32(name: &str, t: &Tensor, expected: [usize; 2]) -> candle::Result<Vec<f32>> {
+fn matrix_f32(name: &str, t: &Tensor, expected: [usize; 2]) -> crate::Result<Vec<f32>> {
     if t.dims() != expected {
-        return Err(QmoeError::Shape {
-            name: name.to_string(),
+        return Err(QmoeError::ShapeMismatch {
+            tensor: name.to_string(),
             got: t.dims().to_vec(),
             expected: expected.to_vec(),
-        }
-        .into());
+        });
     }
-    t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
 }
 
 /// Quantizes one expert into a slab of `layout.slab_bytes()` bytes. `name` prefixes the tensor
@@ -81,7 +81,7 @@ pub fn quantize_expert(
     expert: &DenseExpert,
     layout: ExpertLayout,
     search: ScaleSearch,
-) -> candle::Result<Vec<u8>> {
+) -> crate::Result<Vec<u8>> {
     let (h, i) = (layout.hidden, layout.intermediate);
     let mut gate_up = matrix_f32(&format!("{name}.gate_proj.weight"), &expert.gate, [i, h])?;
     gate_up.extend(matrix_f32(
@@ -204,7 +204,7 @@ impl LayerPack {
         experts: &[DenseExpert],
         layout: ExpertLayout,
         search: ScaleSearch,
-    ) -> candle::Result<Self> {
+    ) -> crate::Result<Self> {
         Self::quantize_with(
             name,
             experts.len(),
@@ -225,9 +225,12 @@ impl LayerPack {
         search: ScaleSearch,
         load: impl Fn(usize) -> candle::Result<DenseExpert> + Sync,
         on_expert: &(dyn Fn() + Sync),
-    ) -> candle::Result<Self> {
+    ) -> crate::Result<Self> {
         if num_experts == 0 {
-            return Err(QmoeError::Config(format!("`{name}` has zero experts")).into());
+            return Err(QmoeError::InvalidArgument {
+                argument: "num_experts".into(),
+                reason: format!("`{name}` has zero experts"),
+            });
         }
         let slabs = (0..num_experts)
             .into_par_iter()
@@ -237,7 +240,7 @@ impl LayerPack {
                 on_expert();
                 Ok(slab)
             })
-            .collect::<candle::Result<Vec<_>>>()?;
+            .collect::<crate::Result<Vec<_>>>()?;
         Ok(Self {
             layout,
             num_experts,
@@ -272,10 +275,12 @@ impl LayerPack {
         let want = num_experts * layout.slab_bytes();
         let got = bytes.as_slice().len();
         if num_experts == 0 || got != want {
-            return Err(QmoeError::Pack(format!(
-                "layer holds {got} bytes, expected {num_experts} experts × {} = {want}",
-                layout.slab_bytes()
-            )));
+            return Err(QmoeError::InvalidPack {
+                reason: format!(
+                    "layer holds {got} bytes, expected {num_experts} experts × {} = {want}",
+                    layout.slab_bytes()
+                ),
+            });
         }
         Ok(Self {
             layout,

@@ -155,24 +155,25 @@ pub fn quantize_matrix(
 ) -> Result<QuantizedMatrix, QmoeError> {
     let (rows, cols) = (layout.rows, layout.cols);
     if values.len() != rows * cols || rows == 0 || cols == 0 {
-        return Err(QmoeError::Shape {
-            name: name.to_string(),
+        return Err(QmoeError::ShapeMismatch {
+            tensor: name.to_string(),
             got: vec![values.len()],
             expected: vec![rows, cols],
         });
     }
     if let Some(index) = values.iter().position(|v| !v.is_finite()) {
         return Err(QmoeError::NonFinite {
-            name: name.to_string(),
+            tensor: name.to_string(),
             shape: vec![rows, cols],
             index,
         });
     }
     let amax = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     if amax / 7.0 > f16::MAX.to_f32() {
-        return Err(QmoeError::Config(format!(
-            "tensor `{name}` has a weight of magnitude {amax}, beyond FP16 scale range"
-        )));
+        return Err(QmoeError::WeightOutOfRange {
+            tensor: name.to_string(),
+            magnitude: amax,
+        });
     }
     let (g, groups, row_bytes) = (layout.group_size.get(), layout.groups(), layout.row_bytes());
     let mut weights = vec![0x88u8; layout.weight_bytes()];
@@ -361,8 +362,16 @@ mod tests {
         let mut w = vec![0.5f32; 8];
         w[5] = f32::NAN;
         let e = quantize_matrix("experts.3.up", &w, layout, ScaleSearch::Mse).unwrap_err();
-        assert!(e.to_string().contains("experts.3.up") && e.to_string().contains("index 5"));
+        assert!(
+            matches!(&e, QmoeError::NonFinite { tensor, shape, index: 5 }
+                if tensor == "experts.3.up" && shape == &[2, 4]),
+            "{e}"
+        );
         let e = quantize_matrix("x", &w[..7], layout, ScaleSearch::Mse).unwrap_err();
-        assert!(e.to_string().contains("[2, 4]"), "{e}");
+        assert!(
+            matches!(&e, QmoeError::ShapeMismatch { tensor, got, expected }
+                if tensor == "x" && got == &[7] && expected == &[2, 4]),
+            "{e}"
+        );
     }
 }

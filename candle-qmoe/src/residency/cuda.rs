@@ -121,13 +121,19 @@ impl MemoryBackend for CudaMemory {
         let reserved = self.usage.reserve(bytes, self.limit, &what)?;
         let (free, total) = self.device.cuda_stream().context().mem_get_info().w()?;
         if bytes > free {
-            return Err(QmoeError::OutOfMemory(format!(
-                "{what} needs {bytes} bytes but the GPU has {free} of {total} bytes free"
-            ))
+            return Err(QmoeError::OutOfMemory {
+                what,
+                needed: bytes,
+                reason: format!("the GPU has {free} of {total} bytes free"),
+            }
             .into());
         }
         let experts = DeviceExperts::with_capacity(layout, num_experts, slots, &self.device)
-            .map_err(|e| QmoeError::OutOfMemory(format!("{what}: {e}")))?;
+            .map_err(|e| QmoeError::OutOfMemory {
+                what,
+                needed: bytes,
+                reason: e.to_string(),
+            })?;
         Ok(CudaArena {
             experts,
             _reserved: reserved,
@@ -138,7 +144,12 @@ impl MemoryBackend for CudaMemory {
         let ctx = self.device.cuda_stream().context().clone();
         // SAFETY: staging bytes are written by the host before any copy reads them.
         unsafe { ctx.alloc_pinned::<u8>(bytes) }.map_err(|e| {
-            QmoeError::OutOfMemory(format!("a pinned staging buffer of {bytes} bytes: {e}")).into()
+            QmoeError::OutOfMemory {
+                what: "a pinned staging buffer".into(),
+                needed: bytes,
+                reason: e.to_string(),
+            }
+            .into()
         })
     }
 
@@ -171,7 +182,11 @@ impl MemoryBackend for CudaMemory {
             .slice_mut(slot * n..slot * n + len);
         self.copy
             .memcpy_htod(bytes, &mut dst)
-            .map_err(|e| QmoeError::CopyFailed(format!("{len} bytes into slot {slot}: {e}")))?;
+            .map_err(|e| QmoeError::CopyFailed {
+                slot,
+                bytes: len,
+                reason: e.to_string(),
+            })?;
         Ok(Arc::new(self.copy.record_event(None).w()?))
     }
 

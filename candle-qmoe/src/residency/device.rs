@@ -88,10 +88,14 @@ impl Usage {
         loop {
             let next = now + bytes;
             if let Some(limit) = limit.filter(|&l| next > l) {
-                return Err(QmoeError::OutOfMemory(format!(
-                    "{what} needs {bytes} bytes but only {} of the device's {limit} bytes are free",
-                    limit - now
-                ))
+                return Err(QmoeError::OutOfMemory {
+                    what: what.into(),
+                    needed: bytes,
+                    reason: format!(
+                        "only {} of the device's {limit} bytes are free",
+                        limit - now
+                    ),
+                }
                 .into());
             }
             match self
@@ -208,9 +212,12 @@ impl HostMemory {
     fn buffer(&self, bytes: usize, what: &str) -> candle::Result<HostBuffer> {
         let mut v = Vec::new();
         if v.try_reserve_exact(bytes).is_err() {
-            return Err(
-                QmoeError::OutOfMemory(format!("{what}: cannot allocate {bytes} bytes")).into(),
-            );
+            return Err(QmoeError::OutOfMemory {
+                what: what.into(),
+                needed: bytes,
+                reason: "the host cannot allocate them".into(),
+            }
+            .into());
         }
         let reserved = self.usage.reserve(bytes, self.limit, what)?;
         v.resize(bytes, 0);
@@ -275,9 +282,11 @@ impl MemoryBackend for HostMemory {
         if fail {
             self.fail_in.store(u64::MAX, Ordering::SeqCst);
             dst[..len / 2].fill(0xA5);
-            return Err(QmoeError::CopyFailed(format!(
-                "injected failure of a {len}-byte copy into slot {slot}"
-            ))
+            return Err(QmoeError::CopyFailed {
+                slot,
+                bytes: len,
+                reason: "injected failure".into(),
+            }
             .into());
         }
         dst.copy_from_slice(&src.bytes[..len]);

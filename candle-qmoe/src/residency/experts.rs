@@ -38,9 +38,11 @@ impl FromStr for HybridMode {
             "off" | "copy" => Ok(Self::Off),
             "auto" => Ok(Self::Auto),
             "always" | "cpu" => Ok(Self::Always),
-            other => Err(QmoeError::Residency(format!(
-                "unknown hybrid mode `{other}` (expected off, auto or always)"
-            ))),
+            other => Err(QmoeError::unsupported(
+                "hybrid mode",
+                other,
+                "is not supported (expected off, auto or always)",
+            )),
         }
     }
 }
@@ -138,10 +140,11 @@ impl RoutedExperts for ResidentExperts {
     ) -> candle::Result<Tensor> {
         check_call(xs, expert_ids, weights, self.hidden)?;
         if !xs.device().is_cpu() {
-            candle::bail!(
-                "host-memory resident experts run on the CPU, got {:?}",
-                xs.device()
-            );
+            return Err(QmoeError::UnsupportedDevice {
+                backend: "host-memory resident experts".into(),
+                device: format!("{:?}", xs.device()),
+            }
+            .into());
         }
         apply_cpu_op(self, xs, expert_ids, weights)
     }
@@ -296,7 +299,11 @@ impl Residency {
             candle::Device::Cpu => Ok(self.host_layer(layer, top_k, source)?),
             #[cfg(feature = "cuda")]
             candle::Device::Cuda(dev) => Ok(self.cuda_layer(layer, top_k, source, dev)?),
-            _ => candle::bail!("resident experts: unsupported device {device:?}"),
+            _ => Err(QmoeError::UnsupportedDevice {
+                backend: "resident experts".into(),
+                device: format!("{device:?}"),
+            }
+            .into()),
         }
     }
 
@@ -366,9 +373,8 @@ impl Residency {
                 }
             }
         };
-        ExpertStore::new(backend.clone(), source, capacity, top_k, ring, o.policy).map_err(|e| {
-            candle::Error::Msg(format!("layer {layer}: cannot admit the expert cache: {e}"))
-        })
+        ExpertStore::new(backend.clone(), source, capacity, top_k, ring, o.policy)
+            .map_err(|e| e.context(format!("layer {layer}: cannot admit the expert cache")))
     }
 
     fn register(&self, layer: usize, experts: Arc<dyn ResidentLayer>) {

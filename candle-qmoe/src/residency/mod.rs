@@ -90,10 +90,12 @@ impl FromStr for Resident {
         }
         let parse = |p: &str| {
             p.trim().parse::<usize>().map_err(|_| {
-                QmoeError::Residency(format!(
-                    "`{s}` is not a residency: expected `all`, a number of experts per layer, or \
-                     comma-separated numbers per layer"
-                ))
+                QmoeError::unsupported(
+                    "residency",
+                    s,
+                    "is not `all`, a number of experts per layer, or comma-separated numbers per \
+                     layer",
+                )
             })
         };
         let v = s.split(',').map(parse).collect::<Result<Vec<_>, _>>()?;

@@ -49,9 +49,11 @@ impl FromStr for PolicyKind {
             "lru" => Ok(Self::Lru),
             "lfu" => Ok(Self::Lfu),
             "lfru" => Ok(Self::Lfru),
-            other => Err(QmoeError::Config(format!(
-                "unknown eviction policy `{other}` (expected lru, lfu or lfru)"
-            ))),
+            other => Err(QmoeError::unsupported(
+                "eviction policy",
+                other,
+                "is not supported (expected lru, lfu or lfru)",
+            )),
         }
     }
 }
