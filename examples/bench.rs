@@ -177,7 +177,7 @@ fn run_one(
         fmt_opt(d.block_spread, |v| format!("{:.1}%", 100.0 * v)),
         fmt_opt(d.ttft_mean_s, |v| format!("{v:.3} s")),
         fmt_opt(d.prefill_tokens_per_s, |v| format!("{v:.1} tok/s")),
-        fmt_opt(peak_rss, common::human_bytes),
+        fmt_opt(peak_rss, candle_qmoe::plan::format_bytes),
         loaded.residency.as_ref().map_or(String::new(), |r| format!(
             "\n  residency: {}",
             common::model::residency_line(
@@ -290,7 +290,7 @@ fn print_table(runs: &[&Run]) {
             fmt_opt(m.ttft_mean_s, |v| format!("{v:.3}")),
             fmt_opt(r.h2d_bytes, |v| format!("{:.3}", v as f64 / 1e9)),
             fmt_opt(r.hit_rate, |v| format!("{:.1}%", 100.0 * v)),
-            fmt_opt(r.peak_rss, common::human_bytes),
+            fmt_opt(r.peak_rss, candle_qmoe::plan::format_bytes),
         );
     }
 }

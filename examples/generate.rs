@@ -189,7 +189,7 @@ fn report(
         g.tokens.len(),
         decode.map_or("n/a".to_string(), |d| format!("{d:.2} tok/s")),
         g.time_to_first_token.as_secs_f64(),
-        rss.map_or("n/a".to_string(), common::human_bytes),
+        rss.map_or("n/a".to_string(), candle_qmoe::plan::format_bytes),
         g.stop
     );
     if let Some(r) = &loaded.residency {

@@ -15,6 +15,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use candle_qmoe::models::{AnyConfig, ModelConfig, QuantizeOptions};
 use candle_qmoe::pack::{GroupSize, PackFile, ScaleSearch};
+use candle_qmoe::plan::format_bytes;
 use clap::{Parser, ValueEnum};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -102,9 +103,9 @@ fn main() -> Result<()> {
         "wrote {}: {} ({} of packed experts) for {} of BF16 experts ({:.2}×), \
          quantized in {:.1} s, total {:.1} s",
         args.out.display(),
-        common::human_bytes(file_bytes),
-        common::human_bytes(pack.total_bytes() as u64),
-        common::human_bytes(bf16_bytes),
+        format_bytes(file_bytes),
+        format_bytes(pack.total_bytes() as u64),
+        format_bytes(bf16_bytes),
         bf16_bytes as f64 / file_bytes as f64,
         quantized.as_secs_f64(),
         start.elapsed().as_secs_f64()

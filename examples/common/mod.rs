@@ -173,16 +173,6 @@ pub fn available_memory_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// `bytes` in GiB, MiB or KiB (whichever keeps the number ≥ 1), two decimals.
-pub fn human_bytes(bytes: u64) -> String {
-    let b = bytes as f64;
-    match bytes {
-        b30 if b30 >= 1 << 30 => format!("{:.2} GiB", b / (1u64 << 30) as f64),
-        b20 if b20 >= 1 << 20 => format!("{:.2} MiB", b / (1u64 << 20) as f64),
-        _ => format!("{:.2} KiB", b / 1024.0),
-    }
-}
-
 /// The CPU model name, or `null` when unknown.
 pub fn cpu_model() -> Option<String> {
     let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;

@@ -460,14 +460,14 @@ fn load_synthetic(
                     "dense {:?} experts of the synthetic {kind} model need {}, more than the {} \
                      of memory available; use --experts int4 or --synthetic tiny",
                     args.experts,
-                    super::human_bytes(need),
-                    super::human_bytes(avail)
+                    plan::format_bytes(need),
+                    plan::format_bytes(avail)
                 );
             }
             if need > 4 << 30 {
                 eprintln!(
                     "warning: dense experts take {} of memory",
-                    super::human_bytes(need)
+                    plan::format_bytes(need)
                 );
             }
             synth.dense_experts(dt)
