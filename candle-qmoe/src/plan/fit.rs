@@ -3,12 +3,10 @@
 //! that does not.
 
 use super::bytes::format_bytes;
-use super::{moe_layers, plan_err, Component, ComponentBytes, Plan, PlanOptions};
+use super::{moe_layers, plan_err, Component, ComponentBytes, ExpertStorage, Plan, PlanOptions};
 use crate::models::FfnSpec;
 use crate::residency::Resident;
 use crate::QmoeError;
-
-use super::ExpertStorage;
 
 /// Default fraction of the budget [`Plan::fit`] holds back on top of every range's maximum.
 pub const DEFAULT_MARGIN: f64 = 0.02;
