@@ -200,7 +200,7 @@ fn main() -> Result<()> {
     for c in plan.host() {
         println!(
             "host {:<12} {} .. {}",
-            c.name,
+            c.component,
             plan::format_bytes(c.bytes.min),
             plan::format_bytes(c.bytes.max)
         );

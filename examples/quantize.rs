@@ -13,6 +13,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use candle_qmoe::models::{AnyConfig, ModelConfig, QuantizeOptions};
 use candle_qmoe::pack::{GroupSize, PackFile, ScaleSearch};
+use candle_qmoe::plan::format_bytes;
 use clap::{Parser, ValueEnum};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -100,9 +101,9 @@ fn main() -> Result<()> {
         "wrote {}: {} ({} of packed experts) for {} of BF16 experts ({:.2}×), \
          quantized in {:.1} s, total {:.1} s",
         args.out.display(),
-        candle_qmoe::plan::format_bytes(file_bytes),
-        candle_qmoe::plan::format_bytes(pack.total_bytes() as u64),
-        candle_qmoe::plan::format_bytes(bf16_bytes),
+        format_bytes(file_bytes),
+        format_bytes(pack.total_bytes() as u64),
+        format_bytes(bf16_bytes),
         bf16_bytes as f64 / file_bytes as f64,
         quantized.as_secs_f64(),
         start.elapsed().as_secs_f64()

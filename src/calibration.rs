@@ -18,8 +18,8 @@ use candle_qmoe::generation::{argmax, generate};
 use candle_qmoe::models::{AnyConfig, ModelConfig};
 use candle_qmoe::pack::GroupSize;
 use candle_qmoe::plan::{
-    format_bytes, ByteRange, ExpertStorage, Plan, PlanOptions, Target, DEFAULT_PREFILL_CHUNK,
-    DEFAULT_STAGING_BUFFERS, PROCESS_RSS,
+    format_bytes, ByteRange, Component, ExpertStorage, Plan, PlanOptions, Target,
+    DEFAULT_PREFILL_CHUNK, DEFAULT_STAGING_BUFFERS,
 };
 use candle_qmoe::residency::{ResidencyOptions, Resident};
 use candle_qmoe::synthetic::{SyntheticKind, SyntheticModel};
@@ -248,7 +248,7 @@ impl fmt::Display for Measurement {
 pub fn process_rss(plan: &Plan) -> Result<ByteRange> {
     plan.host()
         .iter()
-        .find(|c| c.name == PROCESS_RSS)
+        .find(|c| c.component == Component::ProcessRss)
         .map(|c| c.bytes)
         .context("the plan has no process RSS")
 }

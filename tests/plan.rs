@@ -3,13 +3,13 @@
 
 use candle::DType;
 use candle_qmoe::models::{AnyConfig, ModelConfig, ModelSpec};
-use candle_qmoe::pack::GroupSize;
+use candle_qmoe::pack::{ExpertLayout, GroupSize};
 use candle_qmoe::plan::{
-    parse_bytes, ByteRange, ExpertStorage, FitOptions, Plan, PlanOptions, Target, EXPERT_CACHE,
-    KV_CACHE, NON_EXPERT_WEIGHTS, PACK_SOURCE, PROCESS_RSS, RUNTIME_OVERHEAD, STAGING, WORKSPACE,
+    parse_bytes, ByteRange, Component, ExpertStorage, FitOptions, Plan, PlanOptions, Target,
 };
 use candle_qmoe::residency::Resident;
 use candle_qmoe::synthetic::SyntheticKind;
+use candle_qmoe::QmoeError;
 use candle_qmoe_suite::testing::fixture_dir;
 
 const MIB: u64 = 1 << 20;
@@ -21,13 +21,30 @@ fn spec(fixture: &str) -> ModelSpec {
         .unwrap()
 }
 
-fn bytes(plan: &Plan, name: &str) -> ByteRange {
-    plan.component(name)
-        .unwrap_or_else(|| panic!("no component {name}"))
+fn bytes(plan: &Plan, component: Component) -> ByteRange {
+    plan.component(component)
+        .unwrap_or_else(|| panic!("no component {component}"))
 }
 
-fn host(plan: &Plan, name: &str) -> ByteRange {
-    plan.host().iter().find(|c| c.name == name).unwrap().bytes
+fn host(plan: &Plan, component: Component) -> ByteRange {
+    plan.host()
+        .iter()
+        .find(|c| c.component == component)
+        .unwrap()
+        .bytes
+}
+
+/// The component, the bytes it needs and the bytes left for it of a refusal.
+fn does_not_fit(err: &QmoeError) -> Option<(Component, u64, u64)> {
+    match *err {
+        QmoeError::DoesNotFit {
+            component,
+            needed,
+            available,
+            ..
+        } => Some((component, needed, available)),
+        _ => None,
+    }
 }
 
 fn r(min: u64, max: u64) -> ByteRange {
@@ -56,37 +73,48 @@ const OLMOE_SLAB: u64 = 32768 + 16384 + 1536;
 #[test]
 fn olmoe_tiny_components_by_hand() {
     let plan = Plan::new(&spec("olmoe-tiny"), &olmoe_cuda_options()).unwrap();
-    assert_eq!(OLMOE_SLAB, 50688);
-    let names: Vec<_> = plan.components().iter().map(|c| c.name).collect();
+    let layout = ExpertLayout {
+        hidden: 256,
+        intermediate: 128,
+        group_size: GroupSize::default(),
+    };
+    assert_eq!(layout.slab_bytes() as u64, OLMOE_SLAB);
+    let names: Vec<_> = plan.components().iter().map(|c| c.component).collect();
     assert_eq!(
         names,
         [
-            NON_EXPERT_WEIGHTS,
-            EXPERT_CACHE,
-            KV_CACHE,
-            STAGING,
-            WORKSPACE,
-            RUNTIME_OVERHEAD
+            Component::NonExpertWeights,
+            Component::ExpertCache,
+            Component::KvCache,
+            Component::Staging,
+            Component::Workspace,
+            Component::RuntimeOverhead
         ]
     );
     // embed + lm_head 2·512·256 = 262144; final norm 256; per layer q,k,v 256·768 = 196608,
     // o 65536, q/k norm 512, two norms 512, router 8·256 = 2048 → 265216, ×2 = 530432; RoPE
     // cos+sin 512·64 = 32768. 825600 elements × 2 bytes (BF16).
-    assert_eq!(bytes(&plan, NON_EXPERT_WEIGHTS), x(825_600 * 2));
+    assert_eq!(bytes(&plan, Component::NonExpertWeights), x(825_600 * 2));
     // 2 layers × 6 slots.
-    assert_eq!(bytes(&plan, EXPERT_CACHE), x(2 * 6 * OLMOE_SLAB));
+    assert_eq!(bytes(&plan, Component::ExpertCache), x(2 * 6 * OLMOE_SLAB));
     // 2 layers × K,V × 4 heads × 64 × ctx 256 × batch 1 × 2 bytes.
-    assert_eq!(bytes(&plan, KV_CACHE), x(2 * 2 * 4 * 64 * 256 * 2));
-    assert_eq!(bytes(&plan, STAGING), x(2 * OLMOE_SLAB));
+    assert_eq!(
+        bytes(&plan, Component::KvCache),
+        x(2 * 2 * 4 * 64 * 256 * 2)
+    );
+    assert_eq!(bytes(&plan, Component::Staging), x(2 * OLMOE_SLAB));
     // 64 tokens: residual 2..4 × 64·256·2 = 65536..131072. Attention: q,k,v 64·12·64·2 = 98304
     // (×2 at most), the previous KV of a layer 2·4·64·256·2 = 262144, mask 64·256·4 = 65536,
     // scores 4·64·256 = 65536 elements × 6..16 bytes → 819200..1572864. It dominates the MoE
     // block (router 5120 + experts 98304..458752) and the logits (3072..196608).
     assert_eq!(
-        bytes(&plan, WORKSPACE),
+        bytes(&plan, Component::Workspace),
         r(65_536 + 819_200, 131_072 + 1_572_864)
     );
-    assert_eq!(bytes(&plan, RUNTIME_OVERHEAD), r(300 * MIB, 700 * MIB));
+    assert_eq!(
+        bytes(&plan, Component::RuntimeOverhead),
+        r(300 * MIB, 700 * MIB)
+    );
     let total = plan.total();
     let sum: u64 = 1_651_200 + 608_256 + 524_288 + 101_376;
     assert_eq!(
@@ -94,9 +122,9 @@ fn olmoe_tiny_components_by_hand() {
         r(sum + 884_736 + 300 * MIB, sum + 1_703_936 + 700 * MIB)
     );
     // Host: all 16 experts' slabs, plus the pinned staging ring and the CUDA host baseline.
-    assert_eq!(host(&plan, PACK_SOURCE), x(16 * OLMOE_SLAB));
+    assert_eq!(host(&plan, Component::PackSource), x(16 * OLMOE_SLAB));
     assert_eq!(
-        host(&plan, PROCESS_RSS),
+        host(&plan, Component::ProcessRss),
         r(
             16 * OLMOE_SLAB + 2 * OLMOE_SLAB + 150 * MIB,
             16 * OLMOE_SLAB + 2 * OLMOE_SLAB + 1024 * MIB
@@ -104,6 +132,38 @@ fn olmoe_tiny_components_by_hand() {
     );
     assert_eq!(plan.resident_per_layer(), [6, 6]);
     assert_eq!(plan.ctx(), 256);
+}
+
+#[test]
+fn component_names_are_those_of_the_evidence_files() {
+    let plan = Plan::new(&spec("qwen2moe-tiny"), &PlanOptions::new(Target::Cpu)).unwrap();
+    let json = serde_json::to_value(plan.components()).unwrap();
+    let names: Vec<_> = json
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "non_expert_weights",
+            "pack_source",
+            "expert_cache",
+            "kv_cache",
+            "staging",
+            "workspace",
+            "runtime_overhead"
+        ]
+    );
+    assert_eq!(
+        json[3]["max_bytes"].as_u64(),
+        Some(bytes(&plan, Component::KvCache).max)
+    );
+    let host = serde_json::to_value(plan.host()).unwrap();
+    assert_eq!(host[1]["name"], "process_rss");
+    // Display gives the same name and honours the table's alignment.
+    assert_eq!(format!("{:<10}|", Component::KvCache), "kv_cache  |");
 }
 
 /// Qwen2-MoE tiny: vocab 512, H 256, 4 heads × 64 with q/k/v bias, 2 layers of 8 experts top-4
@@ -119,29 +179,36 @@ fn qwen2moe_tiny_components_by_hand_on_cpu() {
     // g128 with K = 192: two groups per down row, the second partial. gate/up [384, 256] →
     // 49152 B, down [256, 192] → 24576 B, scales (384·2 + 256·2)·2 = 2560 B.
     let slab: u64 = 49152 + 24576 + 2560;
-    let names: Vec<_> = plan.components().iter().map(|c| c.name).collect();
+    let names: Vec<_> = plan.components().iter().map(|c| c.component).collect();
     assert_eq!(
         names,
         [
-            NON_EXPERT_WEIGHTS,
-            PACK_SOURCE,
-            EXPERT_CACHE,
-            KV_CACHE,
-            STAGING,
-            WORKSPACE,
-            RUNTIME_OVERHEAD
+            Component::NonExpertWeights,
+            Component::PackSource,
+            Component::ExpertCache,
+            Component::KvCache,
+            Component::Staging,
+            Component::Workspace,
+            Component::RuntimeOverhead
         ]
     );
     // embed + lm_head 262144; final norm 256; per layer q,k,v 196608 + bias 768, o 65536,
     // norms 512, router 2048, shared expert 3·256·384 = 294912 + its gate 256 → 560640, ×2;
     // RoPE 512·64 = 32768. 1416448 elements × 4 bytes (F32, the CPU default).
-    assert_eq!(bytes(&plan, NON_EXPERT_WEIGHTS), x(1_416_448 * 4));
+    assert_eq!(bytes(&plan, Component::NonExpertWeights), x(1_416_448 * 4));
     // On the CPU the pack is host memory too; fully resident experts are read from it in place.
-    assert_eq!(bytes(&plan, PACK_SOURCE), x(16 * slab));
-    assert_eq!(bytes(&plan, EXPERT_CACHE), x(0));
+    assert_eq!(bytes(&plan, Component::PackSource), x(16 * slab));
+    assert_eq!(bytes(&plan, Component::ExpertCache), x(0));
     // ctx defaults to max_position_embeddings = 512; batch 2.
-    assert_eq!(bytes(&plan, KV_CACHE), x(2 * 2 * 4 * 64 * 512 * 2 * 4));
-    assert_eq!(bytes(&plan, STAGING), x(0), "no staging at full residency");
+    assert_eq!(
+        bytes(&plan, Component::KvCache),
+        x(2 * 2 * 4 * 64 * 512 * 2 * 4)
+    );
+    assert_eq!(
+        bytes(&plan, Component::Staging),
+        x(0),
+        "no staging at full residency"
+    );
     // 2 × 128 tokens: residual 2..4 × 256·256·4; attention q,k,v 256·12·64·4 = 786432 (×2 at
     // most), previous KV 2·2·4·64·512·4 = 2097152, mask 128·512·4 = 262144, scores
     // 2·4·128·512 = 524288 elements × 8..20 bytes.
@@ -150,13 +217,16 @@ fn qwen2moe_tiny_components_by_hand_on_cpu() {
         2 * 786_432 + 2_097_152 + 262_144 + 524_288 * 20,
     );
     assert_eq!(
-        bytes(&plan, WORKSPACE),
+        bytes(&plan, Component::Workspace),
         r(524_288 + attention.min, 1_048_576 + attention.max)
     );
-    assert_eq!(bytes(&plan, RUNTIME_OVERHEAD), r(2 * MIB, 200 * MIB));
+    assert_eq!(
+        bytes(&plan, Component::RuntimeOverhead),
+        r(2 * MIB, 200 * MIB)
+    );
     // Everything sums into the process RSS.
-    assert_eq!(host(&plan, PROCESS_RSS), plan.total());
-    assert_eq!(host(&plan, PACK_SOURCE), x(16 * slab));
+    assert_eq!(host(&plan, Component::ProcessRss), plan.total());
+    assert_eq!(host(&plan, Component::PackSource), x(16 * slab));
     assert_eq!(plan.resident_per_layer(), [8, 8]);
     // With a cache the slot arena and the staging ring come on top of the pack: with partial
     // residency, and with an explicit count of every expert (a runtime residency of `all`).
@@ -166,10 +236,13 @@ fn qwen2moe_tiny_components_by_hand_on_cpu() {
             ..opts
         };
         let plan = Plan::new(&spec("qwen2moe-tiny"), &cached).unwrap();
-        assert_eq!(bytes(&plan, PACK_SOURCE), x(16 * slab));
-        assert_eq!(bytes(&plan, EXPERT_CACHE), x(2 * slots as u64 * slab));
-        assert_eq!(bytes(&plan, STAGING), x(2 * slab));
-        assert_eq!(host(&plan, PROCESS_RSS), plan.total());
+        assert_eq!(bytes(&plan, Component::PackSource), x(16 * slab));
+        assert_eq!(
+            bytes(&plan, Component::ExpertCache),
+            x(2 * slots as u64 * slab)
+        );
+        assert_eq!(bytes(&plan, Component::Staging), x(2 * slab));
+        assert_eq!(host(&plan, Component::ProcessRss), plan.total());
         assert_eq!(plan.resident_per_layer(), [slots, slots]);
     }
 }
@@ -183,8 +256,11 @@ fn dense_experts_use_dense_bytes() {
     };
     let plan = Plan::new(&spec("olmoe-tiny"), &opts).unwrap();
     // 2 layers × 8 experts × 3 · 256 · 128 × 2 bytes; no pack.
-    assert_eq!(bytes(&plan, EXPERT_CACHE), x(2 * 8 * 3 * 256 * 128 * 2));
-    assert_eq!(host(&plan, PACK_SOURCE), x(0));
+    assert_eq!(
+        bytes(&plan, Component::ExpertCache),
+        x(2 * 8 * 3 * 256 * 128 * 2)
+    );
+    assert_eq!(host(&plan, Component::PackSource), x(0));
     let partial = PlanOptions {
         residency: Resident::Uniform(6),
         ..opts
@@ -218,18 +294,24 @@ fn real_models_non_expert_weights_and_slabs() {
     };
     let olmoe = real(SyntheticKind::Olmoe);
     // 2·50304·2048 + 2048 + 16·(2048·6144 + 2048² + 4096 + 4096 + 64·2048) + 4096·128.
-    assert_eq!(bytes(&olmoe, NON_EXPERT_WEIGHTS), x(477_235_200 * 2));
-    assert_eq!(bytes(&olmoe, KV_CACHE), x(512 * MIB));
+    assert_eq!(
+        bytes(&olmoe, Component::NonExpertWeights),
+        x(477_235_200 * 2)
+    );
+    assert_eq!(bytes(&olmoe, Component::KvCache), x(512 * MIB));
     // gate/up 2048·2048/2, down 2048·1024/2, scales (2048·16 + 2048·8)·2.
     let slab = 2_097_152 + 1_048_576 + 98_304;
-    assert_eq!(bytes(&olmoe, EXPERT_CACHE), x(16 * 64 * slab));
+    assert_eq!(bytes(&olmoe, Component::ExpertCache), x(16 * 64 * slab));
     let qwen = real(SyntheticKind::Qwen2Moe);
     // 2·151936·2048 + 2048 + 24·(2048·6144 + 6144 + 2048² + 4096 + 60·2048 + 3·2048·5632 +
     // 2048) + 8192·128.
-    assert_eq!(bytes(&qwen, NON_EXPERT_WEIGHTS), x(1_859_749_888 * 2));
+    assert_eq!(
+        bytes(&qwen, Component::NonExpertWeights),
+        x(1_859_749_888 * 2)
+    );
     // gate/up 2816·2048/2, down 2048·1408/2, scales (2816·16 + 2048·11)·2.
     let slab = 2_883_584 + 1_441_792 + 135_168;
-    assert_eq!(host(&qwen, PACK_SOURCE), x(24 * 60 * slab));
+    assert_eq!(host(&qwen, Component::PackSource), x(24 * 60 * slab));
 }
 
 #[test]
@@ -249,7 +331,7 @@ fn residency_is_checked() {
     }
     let plan = Plan::new(&s, &with(Resident::PerLayer(vec![4, 8]))).unwrap();
     assert_eq!(plan.resident_per_layer(), [4, 8]);
-    assert_eq!(bytes(&plan, EXPERT_CACHE), x(12 * OLMOE_SLAB));
+    assert_eq!(bytes(&plan, Component::ExpertCache), x(12 * OLMOE_SLAB));
     let too_long = PlanOptions {
         ctx: Some(513),
         ..olmoe_cuda_options()
@@ -350,7 +432,7 @@ fn fit_picks_the_largest_capacity_that_fits() {
         .fit(olmoe_fixed_max() + 16 * OLMOE_SLAB, &exact_fit())
         .unwrap();
     assert_eq!(full.plan.resident_per_layer(), [8, 8]);
-    assert_eq!(bytes(&full.plan, STAGING), x(0));
+    assert_eq!(bytes(&full.plan, Component::Staging), x(0));
     // One byte less: partial residency with the staging ring, 15 − 2 = 13 slots in all.
     let partial = plan
         .fit(olmoe_fixed_max() + 16 * OLMOE_SLAB - 1, &exact_fit())
@@ -398,38 +480,55 @@ fn fit_refuses_naming_the_component() {
     let minimal = olmoe_fixed_max() + 2 * OLMOE_SLAB + 8 * OLMOE_SLAB;
     let fit = plan.fit(minimal, &exact_fit()).unwrap();
     assert_eq!(fit.plan.resident_per_layer(), [4, 4]);
-    let refuse = |budget: u64| plan.fit(budget, &exact_fit()).unwrap_err().to_string();
+    let refuse = |budget: u64| plan.fit(budget, &exact_fit()).unwrap_err();
+    // Everything else fits; the top-k slots (8 slabs) find one byte less than they need.
     let err = refuse(minimal - 1);
-    assert!(err.contains("`expert_cache` does not fit"), "{err}");
-    assert!(
-        err.contains("breakdown") && err.contains("what would fit"),
+    assert_eq!(
+        does_not_fit(&err),
+        Some((Component::ExpertCache, 8 * OLMOE_SLAB, 8 * OLMOE_SLAB - 1)),
         "{err}"
     );
+    let text = err.to_string();
     assert!(
-        err.contains("kv_cache") && err.contains("runtime_overhead"),
-        "{err}"
+        text.contains("breakdown") && text.contains("what would fit"),
+        "{text}"
     );
-    assert!(err.contains("--allow-ctx-reduction"), "{err}");
+    assert!(
+        text.contains("kv_cache") && text.contains("runtime_overhead"),
+        "{text}"
+    );
+    assert!(text.contains("--allow-ctx-reduction"), "{text}");
     // Runtime and weights fit, the KV cache does not.
     let err = refuse(700 * MIB + 1_651_200 + 1000);
-    assert!(err.contains("`kv_cache` does not fit"), "{err}");
+    assert_eq!(
+        does_not_fit(&err),
+        Some((Component::KvCache, 524_288, 1000)),
+        "{err}"
+    );
     // Not even the weights fit.
     let err = refuse(700 * MIB + 1000);
-    assert!(err.contains("`non_expert_weights` does not fit"), "{err}");
-    assert!(err.contains("no context length fits"), "{err}");
-    // Admission of a given residency names the component too.
-    let err = plan.admit(minimal, 0.0).unwrap_err().to_string();
-    assert!(err.contains("`expert_cache` does not fit"), "{err}");
+    assert_eq!(
+        does_not_fit(&err),
+        Some((Component::NonExpertWeights, 1_651_200, 1000)),
+        "{err}"
+    );
+    assert!(err.to_string().contains("no context length fits"), "{err}");
+    // Admission of a given residency (6 slots per layer) names the component too.
+    let err = plan.admit(minimal, 0.0).unwrap_err();
+    assert_eq!(
+        does_not_fit(&err),
+        Some((Component::ExpertCache, 12 * OLMOE_SLAB, 8 * OLMOE_SLAB)),
+        "{err}"
+    );
     assert!(plan.admit(plan.total().max, 0.0).is_ok());
-    assert!(plan
-        .fit(
-            minimal,
-            &FitOptions {
-                margin: 1.0,
-                ..exact_fit()
-            }
-        )
-        .is_err());
+    let no_margin_left = FitOptions {
+        margin: 1.0,
+        ..exact_fit()
+    };
+    assert!(matches!(
+        plan.fit(minimal, &no_margin_left),
+        Err(QmoeError::Plan(_))
+    ));
 }
 
 #[test]
@@ -437,11 +536,18 @@ fn fit_reduces_the_context_only_when_allowed() {
     let plan = Plan::new(&spec("olmoe-tiny"), &olmoe_cuda_options()).unwrap();
     let minimal = olmoe_fixed_max() + 2 * OLMOE_SLAB + 8 * OLMOE_SLAB;
     let budget = minimal - 200_000;
-    let err = plan.fit(budget, &exact_fit()).unwrap_err().to_string();
+    let err = plan.fit(budget, &exact_fit()).unwrap_err();
     assert!(
-        err.contains("does not fit") && err.contains("ctx ≤"),
+        matches!(
+            err,
+            QmoeError::DoesNotFit {
+                component: Component::ExpertCache,
+                ..
+            }
+        ),
         "{err}"
     );
+    assert!(err.to_string().contains("ctx ≤"), "{err}");
     let allow = reducing_ctx();
     let fit = plan.fit(budget, &allow).unwrap();
     assert!(fit.ctx_reduced());
@@ -484,7 +590,7 @@ fn group_size_changes_the_slab() {
     let plan = Plan::new(&s, &g32).unwrap();
     // Scales (256·8 + 256·4)·2 = 6144 bytes.
     assert_eq!(
-        bytes(&plan, EXPERT_CACHE),
+        bytes(&plan, Component::ExpertCache),
         x(2 * 6 * (32768 + 16384 + 6144))
     );
 }
@@ -496,11 +602,15 @@ fn cpu_fit_is_full_residency_or_nothing() {
     let full = plan.total().max;
     let fit = plan.fit(full, &exact_fit()).unwrap();
     assert_eq!(fit.plan.resident_per_layer(), [8, 8]);
-    let err = plan.fit(full - 1, &exact_fit()).unwrap_err().to_string();
-    assert!(
-        err.contains("does not fit") && err.contains("8 of 8 (all)"),
+    // No cache and no staging: the workspace, the last component with bytes, is one byte short.
+    let err = plan.fit(full - 1, &exact_fit()).unwrap_err();
+    let workspace = bytes(&plan, Component::Workspace).max;
+    assert_eq!(
+        does_not_fit(&err),
+        Some((Component::Workspace, workspace, workspace - 1)),
         "{err}"
     );
+    assert!(err.to_string().contains("8 of 8 (all)"), "{err}");
     let allow = reducing_ctx();
     let fit = plan.fit(full - 1, &allow).unwrap();
     assert_eq!(fit.plan.resident_per_layer(), [8, 8]);

@@ -200,6 +200,23 @@ pub enum QmoeError {
     /// A residency profile that cannot work (capacity below top-k, staging below one expert).
     #[error("residency profile refused: {0}")]
     Residency(String),
+    /// A component of the memory plan does not fit the budget.
+    #[error(
+        "{component} needs {} but only {} is available: {breakdown}",
+        crate::plan::format_bytes(*needed),
+        crate::plan::format_bytes(*available)
+    )]
+    DoesNotFit {
+        /// The component that does not fit.
+        component: crate::plan::Component,
+        /// Bytes it needs.
+        needed: u64,
+        /// Bytes left for it.
+        available: u64,
+        /// The budget, the components counted before this one, the plan's table and what would
+        /// fit, for people.
+        breakdown: String,
+    },
 }
 
 impl QmoeError {

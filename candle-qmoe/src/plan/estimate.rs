@@ -1,0 +1,427 @@
+//! Per-component predictions: what a model configuration needs, worked out from its shapes
+//! alone.
+
+use candle::DType;
+
+use super::bytes::{ByteRange, MIB};
+use super::{moe_layers, plan_err, Component, ComponentBytes, Plan};
+use crate::models::{FfnSpec, ModelSpec, MoeSpec};
+use crate::pack::{ExpertLayout, GroupSize};
+use crate::residency::Resident;
+use crate::QmoeError;
+
+/// Default tokens per prefill chunk (the workspace is sized for one chunk): what
+/// [`crate::generation::generate`] uses.
+pub const DEFAULT_PREFILL_CHUNK: usize = crate::generation::PREFILL_CHUNK;
+/// Default number of staging buffers.
+pub const DEFAULT_STAGING_BUFFERS: usize = 2;
+
+/// Product of sizes, saturating instead of overflowing on absurd configs.
+fn product(factors: &[usize]) -> u64 {
+    factors
+        .iter()
+        .fold(1u64, |acc, &f| acc.saturating_mul(f as u64))
+}
+
+/// Where the model runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Target {
+    /// The CPU: every component lives in host memory and sums into the process RSS.
+    Cpu,
+    /// A CUDA GPU: the components are device memory; the pack source stays on the host.
+    #[default]
+    Cuda,
+}
+
+impl Target {
+    /// The compute dtype the examples use here: F32 on the CPU, BF16 on a GPU.
+    pub fn default_dtype(self) -> DType {
+        match self {
+            Self::Cpu => DType::F32,
+            Self::Cuda => DType::BF16,
+        }
+    }
+
+    /// The name used on command lines and in evidence files (`cpu`, `cuda`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Cpu => "cpu",
+            Self::Cuda => "cuda",
+        }
+    }
+
+    /// Memory the runtime takes besides the model. CUDA: context, cuBLAS handles and allocator
+    /// slack in device memory. CPU: the process baseline: from the binary and its libraries
+    /// alone (about 3 MiB measured) up to a tokenizer, allocator slack and, with a host-memory
+    /// expert cache, the one-off probe of the copy bandwidth (two 32 MiB buffers).
+    pub fn runtime_overhead(self) -> ByteRange {
+        match self {
+            Self::Cpu => ByteRange::new(2 * MIB, 200 * MIB),
+            Self::Cuda => ByteRange::new(300 * MIB, 700 * MIB),
+        }
+    }
+
+    /// Host memory of the process besides the model's own buffers: on the CPU the same as
+    /// [`Self::runtime_overhead`]; with CUDA, the process baseline plus the CUDA and cuBLAS host
+    /// libraries and their allocations.
+    pub fn host_baseline(self) -> ByteRange {
+        match self {
+            Self::Cpu => self.runtime_overhead(),
+            Self::Cuda => ByteRange::new(150 * MIB, 1024 * MIB),
+        }
+    }
+}
+
+/// How the routed experts are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertStorage {
+    /// The INT4 pack with FP16 scales per group of this many columns; allows partial residency.
+    Int4(GroupSize),
+    /// Dense experts in this dtype (BF16, F16 or F32), all resident.
+    Dense(DType),
+}
+
+impl Default for ExpertStorage {
+    fn default() -> Self {
+        Self::Int4(GroupSize::default())
+    }
+}
+
+impl ExpertStorage {
+    /// Bytes of one expert of a layer with this hidden and expert intermediate size: the INT4
+    /// slab ([`ExpertLayout::slab_bytes`]) or `3 · hidden · intermediate` dense weights.
+    pub fn expert_bytes(self, hidden: usize, intermediate: usize) -> u64 {
+        match self {
+            Self::Int4(group_size) => ExpertLayout {
+                hidden,
+                intermediate,
+                group_size,
+            }
+            .slab_bytes() as u64,
+            Self::Dense(dtype) => product(&[3, hidden, intermediate, dtype.size_in_bytes()]),
+        }
+    }
+}
+
+/// What to plan for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PlanOptions {
+    /// Where the model runs.
+    pub target: Target,
+    /// Compute dtype of everything but the routed experts (BF16, F16 or F32).
+    pub dtype: DType,
+    /// How the routed experts are stored.
+    pub experts: ExpertStorage,
+    /// Context length (prompt plus generated tokens); `None`: `max_position_embeddings`.
+    pub ctx: Option<usize>,
+    /// Sequences decoded together.
+    pub batch: usize,
+    /// Tokens per forward pass during prefill; the workspace is sized for one such chunk.
+    pub prefill_chunk: usize,
+    /// Resident experts per MoE layer, as the runtime takes them ([`Plan::fit`] chooses its
+    /// own). Unlike the runtime, the plan refuses counts above a layer's expert count.
+    pub residency: Resident,
+    /// Staging buffers of one expert each, shared by all layers (used with partial residency,
+    /// and on the CPU with any expert cache).
+    pub staging_buffers: usize,
+}
+
+impl PlanOptions {
+    /// The defaults for `target`: its default dtype, INT4 experts with groups of 128, the
+    /// model's full context, batch 1, prefill chunks of [`DEFAULT_PREFILL_CHUNK`] tokens, full
+    /// residency and [`DEFAULT_STAGING_BUFFERS`] staging buffers.
+    pub fn new(target: Target) -> Self {
+        Self {
+            target,
+            dtype: target.default_dtype(),
+            experts: ExpertStorage::default(),
+            ctx: None,
+            batch: 1,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            residency: Resident::All,
+            staging_buffers: DEFAULT_STAGING_BUFFERS,
+        }
+    }
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        Self::new(Target::default())
+    }
+}
+
+/// Parameters of everything but the routed experts, plus the RoPE tables (`cos` and `sin`,
+/// `[max_position_embeddings, head_dim / 2]` each), which are stored in the compute dtype too.
+fn non_expert_elements(spec: &ModelSpec) -> u64 {
+    let (h, a) = (spec.hidden_size, &spec.attention);
+    let q = spec.num_heads * spec.head_dim;
+    let kv = spec.num_kv_heads * spec.head_dim;
+    let if_set = |on: bool, n: u64| if on { n } else { 0 };
+    let attention = product(&[h, q + 2 * kv])
+        + product(&[q, h])
+        + if_set(a.qkv_bias, (q + 2 * kv) as u64)
+        + if_set(a.o_bias, h as u64)
+        + if_set(a.qk_norm, (q + kv) as u64);
+    let ffn = |layer: &FfnSpec| match layer {
+        FfnSpec::Dense { intermediate_size } => product(&[3, h, *intermediate_size]),
+        FfnSpec::Moe(m) => {
+            product(&[m.num_experts, h])
+                + m.shared_intermediate_size
+                    .map_or(0, |si| product(&[3, h, si]) + h as u64)
+        }
+    };
+    let layers: u64 = spec
+        .layers
+        .iter()
+        .map(|l| attention + 2 * h as u64 + ffn(l))
+        .fold(0, u64::saturating_add);
+    let heads = if spec.tie_word_embeddings { 1 } else { 2 };
+    product(&[heads, spec.vocab_size, h])
+        .saturating_add(h as u64)
+        .saturating_add(layers)
+        .saturating_add(product(&[spec.max_position_embeddings, spec.head_dim]))
+}
+
+/// Peak activations of one forward pass of `batch × chunk` tokens whose keys span `ctx`
+/// positions (the last prefill chunk): the residual stream, plus the largest of the attention
+/// stage, the feed-forward stage and the logits.
+fn workspace(spec: &ModelSpec, opts: &PlanOptions, ctx: usize) -> ByteRange {
+    let dt = opts.dtype.size_in_bytes();
+    let (b, h, v) = (opts.batch, spec.hidden_size, spec.vocab_size);
+    let chunk = opts.prefill_chunk.min(ctx);
+    let n = b * chunk;
+    let hidden = product(&[n, h, dt]);
+    let residual = ByteRange::new(2 * hidden, 4 * hidden);
+
+    // q, k, v (and their rotated, contiguous copies); the previous KV cache of a layer while
+    // the longer one is concatenated; K/V repeated to every query head under GQA; the scores
+    // (at least the softmax's F32 input next to the probabilities in the dtype; at most also
+    // the matmul result and the scaled and masked copies); the F32 causal mask.
+    let (nh, nkv, hd) = (spec.num_heads, spec.num_kv_heads, spec.head_dim);
+    let qkv = product(&[n, nh + 2 * nkv, hd, dt]);
+    let kv_grow = product(&[b, 2, nkv, hd, ctx, dt]);
+    let repeat = if nh == nkv {
+        0
+    } else {
+        product(&[b, 2, nh, hd, ctx, dt])
+    };
+    let scores = product(&[b, nh, chunk, ctx]);
+    let mask = product(&[chunk, ctx, 4]);
+    let fixed = kv_grow + repeat + mask;
+    let attention = ByteRange::new(
+        qkv + fixed + scores * (4 + dt as u64),
+        2 * qkv + fixed + scores * (12 + 2 * dt as u64),
+    );
+
+    let ffn = spec
+        .layers
+        .iter()
+        .map(|layer| match layer {
+            FfnSpec::Dense { intermediate_size } => {
+                let inter = product(&[n, *intermediate_size, dt]);
+                ByteRange::new(3 * inter, 4 * inter + hidden)
+            }
+            FfnSpec::Moe(m) => {
+                // Router logits (dtype), F32 probabilities and the u32 argsort; the routed
+                // experts' intermediates (dtype at least, F32 in the kernels' scratch) and
+                // output; the shared expert's gate, up and product.
+                let router = product(&[n, m.num_experts, dt + 8]);
+                let pairs = n * m.top_k;
+                let routed = ByteRange::new(
+                    product(&[pairs, m.intermediate_size, dt]) + hidden,
+                    product(&[pairs, m.intermediate_size + h, 4]) + product(&[n, h, 4]),
+                );
+                let shared = m
+                    .shared_intermediate_size
+                    .map_or(ByteRange::default(), |si| {
+                        let inter = product(&[n, si, dt]);
+                        ByteRange::new(3 * inter, 4 * inter + hidden)
+                    });
+                ByteRange::exact(router) + routed + shared
+            }
+        })
+        .fold(ByteRange::default(), ByteRange::max_of);
+
+    // `lm_head` output in the dtype and its F32 copy: the last position of each sequence, or
+    // every position (full-sequence logits, e.g. perplexity and parity).
+    let logits = ByteRange::new(product(&[b, v, dt + 4]), product(&[n, v, dt + 4]));
+    residual + attention.max_of(ffn).max_of(logits)
+}
+
+impl Plan {
+    /// Predicts the memory of `spec` under `options`; an error for a model that is not valid
+    /// or options it cannot run with (context beyond `max_position_embeddings`, residency below
+    /// top-k or above the expert count, partial residency of dense experts, unsupported dtypes,
+    /// zero sizes).
+    pub fn new(spec: &ModelSpec, options: &PlanOptions) -> candle::Result<Self> {
+        spec.validate()?;
+        Ok(Self::estimate(spec, options)?)
+    }
+
+    /// [`Plan::new`] for a model already validated.
+    pub(super) fn estimate(spec: &ModelSpec, options: &PlanOptions) -> Result<Self, QmoeError> {
+        let o = options;
+        let float = |d: DType| matches!(d, DType::BF16 | DType::F16 | DType::F32);
+        if !float(o.dtype) {
+            return Err(plan_err(format!(
+                "compute dtype {:?} is not supported (use bf16, f16 or f32)",
+                o.dtype
+            )));
+        }
+        if let ExpertStorage::Dense(d) = o.experts {
+            if !float(d) {
+                return Err(plan_err(format!(
+                    "dense experts in {d:?} are not supported (use bf16, f16 or f32)"
+                )));
+            }
+        }
+        if o.batch == 0 || o.prefill_chunk == 0 {
+            return Err(plan_err("batch and prefill chunk must be at least 1"));
+        }
+        let max_ctx = spec.max_position_embeddings;
+        let ctx = o.ctx.unwrap_or(max_ctx);
+        if ctx == 0 || ctx > max_ctx {
+            return Err(plan_err(format!(
+                "context {ctx} must be between 1 and the model's max_position_embeddings = \
+                 {max_ctx}"
+            )));
+        }
+        let moe = moe_layers(spec);
+        let resident = resolve(spec, &moe, o)?;
+        let expert = |m: &MoeSpec| {
+            o.experts
+                .expert_bytes(spec.hidden_size, m.intermediate_size)
+        };
+        let full = moe.iter().all(|&(i, m)| resident[i] == m.num_experts);
+        let int4 = matches!(o.experts, ExpertStorage::Int4(_));
+        // On the CPU, INT4 experts at `Resident::All` are computed from the pack in place; an
+        // explicit count runs a host-memory cache, even one of every expert.
+        let in_place = int4 && o.target == Target::Cpu && o.residency == Resident::All;
+        let expert_cache = match in_place {
+            true => 0,
+            false => moe
+                .iter()
+                .map(|&(i, m)| (resident[i] as u64).saturating_mul(expert(m)))
+                .fold(0, u64::saturating_add),
+        };
+        // The runtime creates the staging ring with the cache; the plan counts it where the cache
+        // misses, and on the CPU wherever a cache runs.
+        let staged = int4 && !in_place && (!full || o.target == Target::Cpu);
+        let staging = if !staged {
+            0
+        } else {
+            let largest = moe.iter().map(|&(_, m)| expert(m)).max().unwrap_or(0);
+            (o.staging_buffers as u64).saturating_mul(largest)
+        };
+        let pack_source = match o.experts {
+            ExpertStorage::Int4(_) => moe
+                .iter()
+                .map(|&(_, m)| (m.num_experts as u64).saturating_mul(expert(m)))
+                .fold(0, u64::saturating_add),
+            ExpertStorage::Dense(_) => 0,
+        };
+        let dt = o.dtype.size_in_bytes();
+        let kv_cache = product(&[
+            spec.num_layers(),
+            2,
+            spec.num_kv_heads,
+            spec.head_dim,
+            ctx,
+            o.batch,
+            dt,
+        ]);
+        let exact = |component, bytes| ComponentBytes {
+            component,
+            bytes: ByteRange::exact(bytes),
+        };
+        let mut components = vec![exact(
+            Component::NonExpertWeights,
+            non_expert_elements(spec).saturating_mul(dt as u64),
+        )];
+        if o.target == Target::Cpu {
+            components.push(exact(Component::PackSource, pack_source));
+        }
+        components.extend([
+            exact(Component::ExpertCache, expert_cache),
+            exact(Component::KvCache, kv_cache),
+            exact(Component::Staging, staging),
+            ComponentBytes {
+                component: Component::Workspace,
+                bytes: workspace(spec, o, ctx),
+            },
+            ComponentBytes {
+                component: Component::RuntimeOverhead,
+                bytes: o.target.runtime_overhead(),
+            },
+        ]);
+        let process_rss = match o.target {
+            Target::Cpu => components.iter().map(|c| c.bytes).sum(),
+            // Pinned staging buffers live in host memory too.
+            Target::Cuda => {
+                ByteRange::exact(pack_source.saturating_add(staging)) + o.target.host_baseline()
+            }
+        };
+        let host = vec![
+            exact(Component::PackSource, pack_source),
+            ComponentBytes {
+                component: Component::ProcessRss,
+                bytes: process_rss,
+            },
+        ];
+        Ok(Self {
+            spec: spec.clone(),
+            options: o.clone(),
+            ctx,
+            resident,
+            components,
+            host,
+        })
+    }
+}
+
+/// Resident experts per decoder layer (0 for dense layers), checked against each layer's top-k
+/// and expert count.
+fn resolve(
+    spec: &ModelSpec,
+    moe: &[(usize, &MoeSpec)],
+    o: &PlanOptions,
+) -> Result<Vec<usize>, QmoeError> {
+    let mut resident = vec![0; spec.num_layers()];
+    if let Resident::PerLayer(v) = &o.residency {
+        if v.len() != spec.num_layers() {
+            return Err(plan_err(format!(
+                "the per-layer residency lists {} layers, the model has {}",
+                v.len(),
+                spec.num_layers()
+            )));
+        }
+    }
+    for &(i, m) in moe {
+        let n = match &o.residency {
+            Resident::All => m.num_experts,
+            Resident::Uniform(n) => *n,
+            Resident::PerLayer(v) => v[i],
+        };
+        if n < m.top_k || n > m.num_experts {
+            return Err(plan_err(format!(
+                "layer {i}: {n} resident experts is outside [top-k = {}, experts = {}]: a token \
+                 needs its top-k experts of a layer at once",
+                m.top_k, m.num_experts
+            )));
+        }
+        if n < m.num_experts && matches!(o.experts, ExpertStorage::Dense(_)) {
+            return Err(plan_err(format!(
+                "layer {i}: {n} of {} experts resident, but dense experts are always fully \
+                 resident (partial residency needs INT4 experts)",
+                m.num_experts
+            )));
+        }
+        if n < m.num_experts && o.staging_buffers == 0 {
+            return Err(plan_err(
+                "partial residency needs at least one staging buffer",
+            ));
+        }
+        resident[i] = n;
+    }
+    Ok(resident)
+}
