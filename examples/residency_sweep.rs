@@ -19,9 +19,10 @@
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use candle::{DType, Device, Tensor};
+use candle::{Device, Tensor};
 use candle_qmoe::generation::{argmax, generate};
 use candle_qmoe::pack::GroupSize;
+use candle_qmoe::plan::Target;
 use candle_qmoe::residency::{HybridMode, PolicyKind, Residency, ResidencyOptions, Resident};
 use candle_qmoe::synthetic::{
     gaussian, random_layer_pack, random_routing, skewed_routing, SyntheticKind, SyntheticModel,
@@ -104,11 +105,7 @@ fn layer_trace(
         ..Default::default()
     });
     let experts = res.layer(0, moe.top_k, pack.clone(), device)?;
-    let dtype = if device.is_cuda() {
-        DType::BF16
-    } else {
-        DType::F32
-    };
+    let dtype = Target::of(device).default_dtype();
     let tokens = ids.len() / moe.top_k;
     let x =
         Tensor::from_vec(gaussian(5, moe.hidden, 1.0), (1, moe.hidden), device)?.to_dtype(dtype)?;
@@ -187,11 +184,7 @@ const PROMPT: [u32; 8] = [510, 3158, 8516, 30013, 27287, 689, 253, 22658];
 /// Decodes each synthetic model at full residency, then through bounded caches; every row is
 /// appended to `doc["models"]` and saved at once, so a run cut short keeps what it measured.
 fn model_sweep(args: &Args, device: &Device, doc: &mut Value) -> Result<()> {
-    let dtype = if device.is_cuda() {
-        DType::BF16
-    } else {
-        DType::F32
-    };
+    let dtype = Target::of(device).default_dtype();
     doc["models"] = json!([]);
     let push = |doc: &mut Value, row: Value| -> Result<()> {
         if let Some(rows) = doc["models"].as_array_mut() {

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device};
 use candle_qmoe::models::{
-    self, AnyConfig, ExpertsBackend, ExpertsLoader, FfnSpec, ModelConfig, MoeForCausalLm,
-    PackedExperts, QuantizeOptions,
+    self, AnyConfig, ExpertsBackend, ExpertsLoader, ModelConfig, MoeForCausalLm, PackedExperts,
+    QuantizeOptions,
 };
 use candle_qmoe::pack::{GroupSize, PackFile};
 use candle_qmoe::plan::{self, ExpertStorage, FitOptions, Plan, PlanOptions, Target};
@@ -121,16 +121,24 @@ pub fn parse_arg<T: std::str::FromStr<Err = candle_qmoe::QmoeError>>(s: &str) ->
     s.parse().map_err(|e: candle_qmoe::QmoeError| e.to_string())
 }
 
+/// `--group-size`, or the library's default group size.
+fn group_size_or_default(group_size: Option<usize>) -> Result<GroupSize> {
+    Ok(group_size
+        .map(GroupSize::new)
+        .transpose()?
+        .unwrap_or_default())
+}
+
 /// A clap value parser for memory sizes (`6GiB`, `6000MB`, bytes).
 pub fn parse_budget(s: &str) -> Result<u64, String> {
     plan::parse_bytes(s).map_err(|e| e.to_string())
 }
 
 impl Experts {
-    /// How the plan stores these experts (`group_size` for INT4, default 128).
+    /// How the plan stores these experts (`group_size` for INT4, default [`GroupSize::default`]).
     pub fn storage(self, group_size: Option<usize>) -> Result<ExpertStorage> {
         Ok(match self {
-            Self::Int4 => ExpertStorage::Int4(GroupSize::new(group_size.unwrap_or(128))?),
+            Self::Int4 => ExpertStorage::Int4(group_size_or_default(group_size)?),
             Self::Bf16 => ExpertStorage::Dense(DType::BF16),
             Self::F32 => ExpertStorage::Dense(DType::F32),
         })
@@ -149,11 +157,9 @@ impl ModelArgs {
 
     /// The compute dtype of the non-expert weights on `device`.
     pub fn compute_dtype(&self, device: &Device) -> DType {
-        self.dtype.map(Dtype::dtype).unwrap_or(if device.is_cuda() {
-            DType::BF16
-        } else {
-            DType::F32
-        })
+        self.dtype
+            .map(Dtype::dtype)
+            .unwrap_or(Target::of(device).default_dtype())
     }
 
     /// The residency profile for `resident` experts per layer (`None`: no cache).
@@ -203,11 +209,7 @@ impl ModelArgs {
             return Ok((self.resident.clone(), None));
         };
         let spec = self.config()?.spec()?;
-        let target = if device.is_cuda() {
-            Target::Cuda
-        } else {
-            Target::Cpu
-        };
+        let target = Target::of(device);
         let options = PlanOptions {
             dtype,
             experts: self.experts.storage(self.group_size)?,
@@ -236,11 +238,7 @@ impl ModelArgs {
                 fit.plan.ctx()
             );
         }
-        let all = spec.moe_layers().iter().all(|&l| match &spec.layers[l] {
-            FfnSpec::Moe(m) => fit.plan.resident_per_layer()[l] >= m.num_experts,
-            FfnSpec::Dense { .. } => true,
-        });
-        let resident = (!all).then(|| Resident::PerLayer(fit.plan.resident_per_layer().to_vec()));
+        let resident = fit.plan.expert_cache();
         Ok((resident, Some(fit.plan.ctx())))
     }
 
@@ -427,10 +425,6 @@ fn read_json(path: &std::path::Path) -> Option<serde_json::Value> {
     serde_json::from_slice(&std::fs::read(path).ok()?).ok()
 }
 
-fn group_size(args: &ModelArgs) -> Result<GroupSize> {
-    Ok(GroupSize::new(args.group_size.unwrap_or(128))?)
-}
-
 fn load_synthetic(
     args: &ModelArgs,
     kind: SyntheticKind,
@@ -444,7 +438,7 @@ fn load_synthetic(
          expect",
         args.synthetic_seed
     );
-    let group = group_size(args)?;
+    let group = group_size_or_default(args.group_size)?;
     let synth = SyntheticModel::new(kind, args.synthetic_seed, group)?;
     let experts = match args.experts {
         Experts::Int4 => with_residency(residency, synth.int4_experts()),
@@ -491,7 +485,7 @@ fn load_synthetic(
 /// The expert pack for `--experts int4`: `--pack` loaded or created, or quantized in memory.
 fn int4_pack(args: &ModelArgs, ckpt: &crate::checkpoint::Checkpoint) -> Result<PackFile> {
     let opts = QuantizeOptions {
-        group_size: group_size(args)?,
+        group_size: group_size_or_default(args.group_size)?,
         source_model: ckpt.model_id.clone(),
         source_revision: ckpt.revision.clone(),
         ..Default::default()

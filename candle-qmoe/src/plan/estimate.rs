@@ -13,8 +13,9 @@ use crate::QmoeError;
 /// Default tokens per prefill chunk (the workspace is sized for one chunk): what
 /// [`crate::generation::generate`] uses.
 pub const DEFAULT_PREFILL_CHUNK: usize = crate::generation::PREFILL_CHUNK;
-/// Default number of staging buffers.
-pub const DEFAULT_STAGING_BUFFERS: usize = 2;
+/// Default number of staging buffers: what the runtime's [`crate::residency::ResidencyOptions`]
+/// uses.
+pub const DEFAULT_STAGING_BUFFERS: usize = crate::residency::DEFAULT_STAGING_BUFFERS;
 
 /// Product of sizes, saturating instead of overflowing on absurd configs.
 fn product(factors: &[usize]) -> u64 {
@@ -34,7 +35,16 @@ pub enum Target {
 }
 
 impl Target {
-    /// The compute dtype the examples use here: F32 on the CPU, BF16 on a GPU.
+    /// Where a model on `device` runs: [`Target::Cuda`] on a CUDA device, else the CPU.
+    pub fn of(device: &candle::Device) -> Self {
+        if device.is_cuda() {
+            Self::Cuda
+        } else {
+            Self::Cpu
+        }
+    }
+
+    /// The default compute dtype of the non-expert weights: F32 on the CPU, BF16 on a GPU.
     pub fn default_dtype(self) -> DType {
         match self {
             Self::Cpu => DType::F32,

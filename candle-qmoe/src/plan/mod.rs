@@ -60,14 +60,11 @@
 //! ));
 //! # Ok(()) }
 //! ```
-//!
-//! [`Resident::All`]: crate::residency::Resident::All
-//! [`Resident::Uniform`]: crate::residency::Resident::Uniform
-//! [`Resident::PerLayer`]: crate::residency::Resident::PerLayer
 
 use serde::{Serialize, Serializer};
 
 use crate::models::{FfnSpec, ModelSpec, MoeSpec};
+use crate::residency::Resident;
 use crate::QmoeError;
 
 mod bytes;
@@ -186,6 +183,16 @@ impl Plan {
     /// [`Resident::PerLayer`](crate::residency::Resident::PerLayer) for the runtime.
     pub fn resident_per_layer(&self) -> &[usize] {
         &self.resident
+    }
+
+    /// The expert cache this plan asks the runtime for: `None` when every MoE layer keeps all
+    /// its experts (no cache needed), else [`Resident::PerLayer`] with the chosen capacities;
+    /// put it in [`ResidencyOptions::resident`](crate::residency::ResidencyOptions).
+    pub fn expert_cache(&self) -> Option<Resident> {
+        let all = moe_layers(&self.spec)
+            .into_iter()
+            .all(|(l, m)| self.resident[l] >= m.num_experts);
+        (!all).then(|| Resident::PerLayer(self.resident.clone()))
     }
 
     /// The context length planned for.

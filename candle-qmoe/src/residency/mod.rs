@@ -126,12 +126,16 @@ pub struct ResidencyOptions {
     pub device_memory_limit: Option<usize>,
 }
 
+/// Staging buffers of the default residency profile: two, so one copy can fill a buffer while
+/// the other's copy to the device is in flight.
+pub const DEFAULT_STAGING_BUFFERS: usize = 2;
+
 impl Default for ResidencyOptions {
     fn default() -> Self {
         Self {
             resident: Resident::All,
             policy: PolicyKind::Lru,
-            staging_buffers: 2,
+            staging_buffers: DEFAULT_STAGING_BUFFERS,
             staging_bytes: None,
             prefetch: false,
             hybrid: HybridMode::Off,
