@@ -32,6 +32,3 @@ pub fn ptx_for(major: i32, _minor: i32) -> Option<&'static str> {
         _ => Some(W4A16_MOE_SM90),
     }
 }
-
-/// Whether this build embeds the CUDA kernels.
-pub const HAS_CUDA: bool = cfg!(feature = "cuda");
