@@ -11,8 +11,8 @@
 //! PTX: //! One PTX file per virtual architecture (compute_80 for Ampere/Ada, compute_90 for Hopper);
 //! `src/lib.rs` embeds them. nvcc is `$NVCC`, else `$CUDA_HOME/bin/nvcc`, else `nvcc` on PATH
 //! (`source scripts/cuda-env.sh` provides a CUDA 13.0 one). The PTX ISA must stay ≤ 9.0 so that a
-//! CUDA 13.0 driver can JIT it: a newer nvcc's `.version` line is lowered to 9.0 (the kernels
-//! use no instruction newer than sm_80's) with a build warning.
+//! CUDA 13.0 driver can JIT it: PTX with a newer `.version` (from a newer nvcc) fails the build,
+//! naming the nvcc that wrote it.
 
 use std::env;
 use std::fmt::Write as _;
@@ -68,7 +68,7 @@ fn main() {
                     )
                 });
             assert!(status.success(), "nvcc failed on {src} for compute_{arch}");
-            cap_ptx_version(&ptx);
+            check_ptx_version(&ptx, &nvcc);
         }
     }
 }
@@ -86,8 +86,8 @@ fn nvcc() -> PathBuf {
     "nvcc".into()
 }
 
-/// Lowers the `.version` directive to [`MAX_PTX_ISA`] when nvcc wrote a newer one.
-fn cap_ptx_version(ptx: &Path) {
+/// Fails the build when `ptx` declares a PTX ISA newer than [`MAX_PTX_ISA`].
+fn check_ptx_version(ptx: &Path, nvcc: &Path) {
     let text = std::fs::read_to_string(ptx).expect("read PTX");
     let Some(line) = text.lines().find(|l| l.starts_with(".version ")) else {
         panic!("{}: no .version directive", ptx.display());
@@ -98,17 +98,31 @@ fn cap_ptx_version(ptx: &Path) {
         .and_then(|(a, b)| Some((a.parse::<u32>().ok()?, b.parse::<u32>().ok()?)))
         .unwrap_or_else(|| panic!("{}: bad PTX version `{v}`", ptx.display()));
     if (major, minor) > MAX_PTX_ISA {
-        println!(
-            "cargo::warning=PTX ISA {major}.{minor} from this nvcc lowered to {}.{} for CUDA 13.0 drivers",
-            MAX_PTX_ISA.0, MAX_PTX_ISA.1
+        panic!(
+            "candle-qmoe-kernels: {} ({}) wrote PTX ISA {major}.{minor}, newer than the {}.{} a \
+             CUDA 13.0 driver can JIT. Build with CUDA 13.0's nvcc (`source scripts/cuda-env.sh`, \
+             or set NVCC).",
+            nvcc.display(),
+            nvcc_release(nvcc),
+            MAX_PTX_ISA.0,
+            MAX_PTX_ISA.1
         );
-        let fixed = text.replacen(
-            line,
-            &format!(".version {}.{}", MAX_PTX_ISA.0, MAX_PTX_ISA.1),
-            1,
-        );
-        std::fs::write(ptx, fixed).expect("write PTX");
     }
+}
+
+/// The release line of `nvcc --version` ("Cuda compilation tools, release 13.0, V13.0.88").
+fn nvcc_release(nvcc: &Path) -> String {
+    Command::new(nvcc)
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .find(|l| l.contains("release"))
+                .map(|l| l.trim().to_string())
+        })
+        .unwrap_or_else(|| "version unknown".to_string())
 }
 
 /// An object-like `#define QMOE_<NAME> <expression>` of the header.
