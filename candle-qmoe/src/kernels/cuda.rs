@@ -779,22 +779,27 @@ impl DeviceExperts {
         params.counters = c_p;
         let tiles = decode_tiles(t);
         let blocks_y = self.num_experts.min(t * k);
-        self.launch(
-            stream,
-            &kernels.decode_gate_up[tiles],
-            params,
-            (i.div_ceil(geo::DEC_GATE_UP_ROWS), blocks_y),
-            geo::NTHREADS,
-            self.decode_smem(h, t, es),
-        )?;
-        self.launch(
-            stream,
-            &kernels.decode_down[tiles],
-            params,
-            (h.div_ceil(geo::DEC_ROWS), blocks_y),
-            geo::NTHREADS,
-            self.decode_smem(i, t, es),
-        )
+        // (kernel, row blocks, reduction length): gate/up reads rows of H, down rows of I.
+        let launches = [
+            (
+                &kernels.decode_gate_up[tiles],
+                i.div_ceil(geo::DEC_GATE_UP_ROWS),
+                h,
+            ),
+            (&kernels.decode_down[tiles], h.div_ceil(geo::DEC_ROWS), i),
+        ];
+        for (kernel, blocks_x, k_dim) in launches {
+            let smem = self.decode_smem(k_dim, t, es);
+            self.launch(
+                stream,
+                kernel,
+                params,
+                (blocks_x, blocks_y),
+                geo::NTHREADS,
+                smem,
+            )?;
+        }
+        Ok(())
     }
 }
 
