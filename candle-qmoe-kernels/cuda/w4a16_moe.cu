@@ -50,34 +50,20 @@
 #define QMOE_DYN_SMEM(name) extern __shared__ __align__(128) uint8_t name[]
 #endif
 
+// Tiles, shared-memory sizes and the MoeParams block, shared with the emulator and the Rust
+// launcher (candle-qmoe-kernels/build.rs generates the Rust side from it).
+#include "moe_geometry.h"
+
 namespace qmoe {
 
-// Kernel parameters; mirrored by `MoeParams` in candle-qmoe/src/kernels/cuda.rs (repr(C)).
-struct MoeParams {
-    const uint8_t* slabs;      // resident expert slabs, slot-major
-    const uint32_t* slot_of;   // [E] expert -> slot
-    const void* x;             // [T, H] activations
-    const uint32_t* ids;       // [T * k] routed experts
-    const float* route_w;      // [T * k] routing weights
-    void* h;                   // [T * k, I] intermediate silu(gate)·up (activation type)
-    float* y;                  // [T * k, H] per-pair expert outputs
-    void* out;                 // [T, H] result (activation type)
-    uint32_t* counters;        // decode: [ceil(H / 32)] arrival counters, zero between calls
-    uint32_t* rank;            // prefill scratch [T * k]
-    uint32_t* sorted;          // prefill: pairs grouped by expert [T * k]
-    uint32_t* tiles;           // prefill: (expert, start, rows) per tile [3 * max_tiles]
-    uint32_t* num_tiles;       // prefill: number of tiles [1]
-    unsigned long long slab_bytes;
-    unsigned long long off_gu_w, off_dn_w, off_gu_s, off_dn_s;
-    uint32_t T, k, E, H, I, group, max_tiles, pad;
-};
-
-static_assert(sizeof(MoeParams) == 176, "MoeParams must match the Rust mirror");
-
-constexpr int CHUNK_BYTES = 16;
-constexpr int STEP_CHUNKS = 4;                         // chunks per pipeline step
-constexpr int W_PITCH = STEP_CHUNKS * CHUNK_BYTES + 16;  // bytes per weight row in a stage (80)
-constexpr int NTHREADS = 128;
+constexpr int CHUNK_BYTES = QMOE_CHUNK_BYTES;
+constexpr int STEP_CHUNKS = QMOE_STEP_CHUNKS;  // chunks per pipeline step
+constexpr int W_PITCH = QMOE_W_PITCH;          // bytes per weight row in a stage (80)
+constexpr int NTHREADS = QMOE_NTHREADS;
+// The code below hard-codes these (32 weights per chunk, 16-row mma tiles, 32-word bitmaps).
+static_assert(QMOE_CHUNK_COLS == 32 && CHUNK_BYTES * 2 == QMOE_CHUNK_COLS, "a chunk is 32 INT4 weights");
+static_assert(QMOE_MAX_EXPERTS == 32 * 32 && QMOE_ROUTE_THREADS == QMOE_MAX_EXPERTS, "expert bitmap and route scan");
+static_assert(QMOE_COMBINE_COLS == 4 * NTHREADS, "combine: four columns per thread");
 
 template <class T> struct Act;
 template <> struct Act<__nv_bfloat16> { static constexpr int ES = 2, PL = 1; static constexpr bool BF = true; };
@@ -89,8 +75,9 @@ __host__ __device__ constexpr int round_up(int x, int m) { return (x + m - 1) / 
 // Shared-memory row pitch (bytes) of `cols` activations: 16-byte B-fragment loads of a quarter
 // warp (two tokens x four lanes) then hit eight distinct 16-byte bank groups.
 __host__ __device__ constexpr int x_pitch(int cols, int es) {
-    return round_up(cols * es, 128) + (es == 2 ? 64 : 16);
+    return round_up(cols * es, QMOE_X_ALIGN) + (es == 2 ? QMOE_X_PAD_16BIT : QMOE_X_PAD_32BIT);
 }
+static_assert(x_pitch(200, 2) == QMOE_X_PITCH(200, 2) && x_pitch(200, 4) == QMOE_X_PITCH(200, 4), "x_pitch");
 
 #ifndef QMOE_EMU
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -281,16 +268,18 @@ __device__ __forceinline__ void mma_step(const uint32_t (&a)[MT][2][4], XRow xro
 // combine reads a repeated pair's output from its first occurrence.
 __device__ __forceinline__ int first_pair(const MoeParams& p, int i) {
     const uint32_t e = p.ids[i];
-    for (int j = i - static_cast<int>(i % p.k); j < i; ++j)
+    for (int j = i - static_cast<int>(i % p.top_k); j < i; ++j)
         if (p.ids[j] == e) return j;
     return i;
 }
 
-constexpr int DEC_WARPS = 4;
-constexpr int DEC_ROWS = 32;    // weight rows per block: two 16-row tiles
-constexpr int DEC_STAGES = 4;
-constexpr int DEC_STAGE_BYTES = DEC_ROWS * W_PITCH;
-constexpr int DEC_RING_BYTES = DEC_WARPS * DEC_STAGES * DEC_STAGE_BYTES;
+constexpr int DEC_WARPS = QMOE_DEC_WARPS;
+constexpr int DEC_ROWS = QMOE_DEC_ROWS;  // weight rows per block: two 16-row tiles
+constexpr int DEC_STAGES = QMOE_DEC_STAGES;
+constexpr int DEC_STAGE_BYTES = QMOE_DEC_STAGE_BYTES;
+constexpr int DEC_RING_BYTES = QMOE_DEC_RING_BYTES;
+static_assert(DEC_ROWS == 32 && QMOE_DEC_GATE_UP_ROWS == 16 && DEC_WARPS * 32 == NTHREADS, "decode tiles");
+static_assert(QMOE_DEC_MAX_TOKENS == 2 * 8, "decode: at most two 8-token mma tiles");
 
 // MODE 0: gate/up + SiLU·up -> h. MODE 1: down -> y, then the last block per row range combines.
 template <class T, int MODE, int NT>
@@ -305,7 +294,7 @@ __device__ __forceinline__ void decode_body(const MoeParams& p) {
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2;
-    const int P = static_cast<int>(p.T * p.k);
+    const int P = static_cast<int>(p.tokens * p.top_k);
     const int d = blockIdx.y;
 
     // 1. The distinct experts of the routing (a bitmap, E <= 1024) and this block's one.
@@ -313,7 +302,7 @@ __device__ __forceinline__ void decode_body(const MoeParams& p) {
     __syncthreads();
     for (int i = tid; i < P; i += NTHREADS) {
         const uint32_t e = p.ids[i];
-        if (e < p.E) atomicOr(&s_bits[e >> 5], 1u << (e & 31));
+        if (e < p.num_experts) atomicOr(&s_bits[e >> 5], 1u << (e & 31));
     }
     __syncthreads();
     if (warp == 0) {
@@ -337,10 +326,10 @@ __device__ __forceinline__ void decode_body(const MoeParams& p) {
     if (d >= s_nd) {
         // No expert at all (every id out of range, e.g. all computed elsewhere): the result is 0.
         if (MODE == 1 && s_nd == 0 && d == 0) {
-            for (int idx = tid; idx < static_cast<int>(p.T) * DEC_ROWS; idx += NTHREADS) {
+            for (int idx = tid; idx < static_cast<int>(p.tokens) * DEC_ROWS; idx += NTHREADS) {
                 const int tok = idx / DEC_ROWS, row = blockIdx.x * DEC_ROWS + (idx - tok * DEC_ROWS);
-                if (row < static_cast<int>(p.H))
-                    reinterpret_cast<T*>(p.out)[static_cast<unsigned long long>(tok) * p.H + row] = from_f32<T>(0.f);
+                if (row < static_cast<int>(p.hidden))
+                    reinterpret_cast<T*>(p.out)[static_cast<unsigned long long>(tok) * p.hidden + row] = from_f32<T>(0.f);
             }
         }
         return;
@@ -364,7 +353,7 @@ __device__ __forceinline__ void decode_body(const MoeParams& p) {
     const int n = s_n;
 
     // 3. Geometry of this block's weight rows.
-    const int K = MODE == 0 ? static_cast<int>(p.H) : static_cast<int>(p.I);
+    const int K = MODE == 0 ? static_cast<int>(p.hidden) : static_cast<int>(p.inter);
     const int kc = (K + 31) / 32;
     const int row_bytes = kc * CHUNK_BYTES;
     const int groups = (K + static_cast<int>(p.group) - 1) / static_cast<int>(p.group);
@@ -377,15 +366,15 @@ __device__ __forceinline__ void decode_body(const MoeParams& p) {
     auto grow = [&](int r) -> int {
         if (MODE == 0) {
             const int i = blk * 16 + (r & 15);
-            return i < static_cast<int>(p.I) ? (r < 16 ? i : static_cast<int>(p.I) + i) : -1;
+            return i < static_cast<int>(p.inter) ? (r < 16 ? i : static_cast<int>(p.inter) + i) : -1;
         } else {
             const int row = blk * DEC_ROWS + r;
-            return row < static_cast<int>(p.H) ? row : -1;
+            return row < static_cast<int>(p.hidden) ? row : -1;
         }
     };
 
     __half* s_sc = reinterpret_cast<__half*>(smem + DEC_RING_BYTES);
-    const int sc_bytes = round_up(DEC_ROWS * groups * 2, 16);
+    const int sc_bytes = round_up(DEC_ROWS * groups * 2, QMOE_SCALE_ALIGN);
     uint8_t* xs = smem + DEC_RING_BYTES + sc_bytes;
     const int pitch = x_pitch(K, Tr::ES);
 
@@ -396,7 +385,7 @@ __device__ __forceinline__ void decode_body(const MoeParams& p) {
         for (int idx = tid; idx < n * segs; idx += NTHREADS) {
             const int pos = idx / segs, sg = idx - pos * segs;
             const uint32_t pair = s_pair[pos];
-            const unsigned long long srow = MODE == 0 ? pair / p.k : pair;
+            const unsigned long long srow = MODE == 0 ? pair / p.top_k : pair;
             cp_async16(xs + pos * pitch + sg * 16, src + (srow * K) * Tr::ES + sg * 16, true);
         }
         cp_async_commit();
@@ -509,15 +498,15 @@ __device__ __forceinline__ void decode_body(const MoeParams& p) {
                     const unsigned long long pair = s_pair[pos];
                     if (MODE == 0) {
                         const int i = blk * 16 + g + 8 * hf;
-                        if (i < static_cast<int>(p.I)) {
+                        if (i < static_cast<int>(p.inter)) {
                             const float v = silu_mul(acc[0][nt][hf * 2 + cc], acc[1][nt][hf * 2 + cc]);
-                            reinterpret_cast<T*>(p.h)[pair * p.I + i] = from_f32<T>(v);
+                            reinterpret_cast<T*>(p.h)[pair * p.inter + i] = from_f32<T>(v);
                         }
                     } else {
 #pragma unroll
                         for (int mt = 0; mt < 2; ++mt) {
                             const int row = blk * DEC_ROWS + mt * 16 + g + 8 * hf;
-                            if (row < static_cast<int>(p.H)) p.y[pair * p.H + row] = acc[mt][nt][hf * 2 + cc];
+                            if (row < static_cast<int>(p.hidden)) p.y[pair * p.hidden + row] = acc[mt][nt][hf * 2 + cc];
                         }
                     }
                 }
@@ -534,19 +523,19 @@ __device__ __forceinline__ void decode_body(const MoeParams& p) {
         __syncthreads();
         if (s_last) {
             __threadfence();
-            const int T_ = static_cast<int>(p.T), k = static_cast<int>(p.k);
+            const int T_ = static_cast<int>(p.tokens), k = static_cast<int>(p.top_k);
             for (int idx = tid; idx < T_ * DEC_ROWS; idx += NTHREADS) {
                 const int tok = idx / DEC_ROWS, row = blk * DEC_ROWS + (idx - tok * DEC_ROWS);
-                if (row >= static_cast<int>(p.H)) continue;
+                if (row >= static_cast<int>(p.hidden)) continue;
                 float v = 0.f;
                 for (int j = 0; j < k; ++j) {
                     const unsigned long long pair = static_cast<unsigned long long>(tok) * k + j;
-                    if (p.ids[pair] < p.E) {
+                    if (p.ids[pair] < p.num_experts) {
                         const unsigned long long src = first_pair(p, static_cast<int>(pair));
-                        v += p.route_w[pair] * __ldcg(&p.y[src * p.H + row]);
+                        v += p.route_w[pair] * __ldcg(&p.y[src * p.hidden + row]);
                     }
                 }
-                reinterpret_cast<T*>(p.out)[static_cast<unsigned long long>(tok) * p.H + row] = from_f32<T>(v);
+                reinterpret_cast<T*>(p.out)[static_cast<unsigned long long>(tok) * p.hidden + row] = from_f32<T>(v);
             }
             if (tid == 0) p.counters[blk] = 0u;
         }
@@ -557,17 +546,16 @@ __device__ __forceinline__ void decode_body(const MoeParams& p) {
 // Prefill
 // ---------------------------------------------------------------------------------------------
 
-constexpr int PRE_ROWS = 64;    // weight rows per block
-constexpr int PRE_PAIRS = 64;   // routed rows (tokens) per block / tile
-constexpr int PRE_W_STAGE = PRE_ROWS * W_PITCH;
+constexpr int PRE_ROWS = QMOE_PRE_ROWS;    // weight rows per block
+constexpr int PRE_PAIRS = QMOE_PRE_PAIRS;  // routed rows (tokens) per block / tile
+constexpr int PRE_W_STAGE = QMOE_PRE_W_STAGE;
+static_assert(PRE_ROWS == 64 && QMOE_PRE_GATE_UP_ROWS == 32 && PRE_PAIRS == 64, "prefill tiles");
 
 // Pipeline stages: 3, or 2 for F32 activations (twice the bytes per stage), so that the F32
 // kernels fit GPUs that allow about 99 KiB of shared memory per block.
-template <class T> __host__ __device__ constexpr int pre_stages() { return Act<T>::ES == 4 ? 2 : 3; }
-template <class T> __host__ __device__ constexpr int pre_x_pitch() { return x_pitch(STEP_CHUNKS * 32, Act<T>::ES); }
-template <class T> __host__ __device__ constexpr int pre_stage_bytes() {
-    return PRE_W_STAGE + PRE_PAIRS * pre_x_pitch<T>();
-}
+template <class T> __host__ __device__ constexpr int pre_stages() { return QMOE_PRE_STAGES(Act<T>::ES); }
+template <class T> __host__ __device__ constexpr int pre_x_pitch() { return x_pitch(QMOE_STEP_COLS, Act<T>::ES); }
+template <class T> __host__ __device__ constexpr int pre_stage_bytes() { return QMOE_PRE_STAGE_BYTES(Act<T>::ES); }
 
 // Single block (1024 threads): counting sort of the routed pairs by expert and the tile list.
 __device__ __forceinline__ int block_excl_scan(int v, int* s_warp, int& total) {
@@ -599,16 +587,16 @@ __device__ __forceinline__ int block_excl_scan(int v, int* s_warp, int& total) {
 }
 
 __device__ __forceinline__ void route_body(const MoeParams& p) {
-    __shared__ uint32_t s_cnt[1024];
-    __shared__ uint32_t s_off[1024];
+    __shared__ uint32_t s_cnt[QMOE_MAX_EXPERTS];
+    __shared__ uint32_t s_off[QMOE_MAX_EXPERTS];
     __shared__ int s_warp[33];
     const int tid = threadIdx.x;
-    const int P = static_cast<int>(p.T * p.k), E = static_cast<int>(p.E);
+    const int P = static_cast<int>(p.tokens * p.top_k), E = static_cast<int>(p.num_experts);
     for (int e = tid; e < E; e += blockDim.x) s_cnt[e] = 0u;
     __syncthreads();
     for (int i = tid; i < P; i += blockDim.x) {
         const uint32_t e = p.ids[i];
-        if (e < p.E) p.rank[i] = atomicAdd(&s_cnt[e], 1u);
+        if (e < p.num_experts) p.rank[i] = atomicAdd(&s_cnt[e], 1u);
     }
     __syncthreads();
     const int cnt = tid < E ? static_cast<int>(s_cnt[tid]) : 0;
@@ -631,7 +619,7 @@ __device__ __forceinline__ void route_body(const MoeParams& p) {
     __syncthreads();
     for (int i = tid; i < P; i += blockDim.x) {
         const uint32_t e = p.ids[i];
-        if (e < p.E) p.sorted[s_off[e] + p.rank[i]] = static_cast<uint32_t>(i);
+        if (e < p.num_experts) p.sorted[s_off[e] + p.rank[i]] = static_cast<uint32_t>(i);
     }
 }
 
@@ -656,7 +644,7 @@ __device__ __forceinline__ void prefill_body(const MoeParams& p) {
     const int rows = static_cast<int>(p.tiles[3 * tile + 2]);
     if (tid < PRE_PAIRS) s_pair[tid] = tid < rows ? p.sorted[start + tid] : 0u;
 
-    const int K = MODE == 0 ? static_cast<int>(p.H) : static_cast<int>(p.I);
+    const int K = MODE == 0 ? static_cast<int>(p.hidden) : static_cast<int>(p.inter);
     const int kc = (K + 31) / 32;
     const int row_bytes = kc * CHUNK_BYTES;
     const int groups = (K + static_cast<int>(p.group) - 1) / static_cast<int>(p.group);
@@ -668,10 +656,10 @@ __device__ __forceinline__ void prefill_body(const MoeParams& p) {
     auto grow = [&](int r) -> int {
         if (MODE == 0) {
             const int i = blk * 32 + (r & 31);
-            return i < static_cast<int>(p.I) ? (r < 32 ? i : static_cast<int>(p.I) + i) : -1;
+            return i < static_cast<int>(p.inter) ? (r < 32 ? i : static_cast<int>(p.inter) + i) : -1;
         } else {
             const int row = blk * PRE_ROWS + r;
-            return row < static_cast<int>(p.H) ? row : -1;
+            return row < static_cast<int>(p.hidden) ? row : -1;
         }
     };
     // Shared row of m-tile mt of this warp.
@@ -705,7 +693,7 @@ __device__ __forceinline__ void prefill_body(const MoeParams& p) {
                 const int col = c0 * 32 + sg * EPS;
                 const bool ok = m < rows && col < K;
                 const unsigned long long pair = s_pair[m];
-                const unsigned long long srow = MODE == 0 ? pair / p.k : pair;
+                const unsigned long long srow = MODE == 0 ? pair / p.top_k : pair;
                 const uint8_t* src = ok ? xsrc + (srow * K + col) * Tr::ES : xsrc;
                 cp_async16(xs + m * XP + sg * 16, src, ok);
             }
@@ -759,15 +747,15 @@ __device__ __forceinline__ void prefill_body(const MoeParams& p) {
                 const unsigned long long pair = s_pair[pos];
                 if (MODE == 0) {
                     const int i = blk * 32 + wr * 16 + g + 8 * hf;
-                    if (i < static_cast<int>(p.I)) {
+                    if (i < static_cast<int>(p.inter)) {
                         const float v = silu_mul(acc[0][nt][hf * 2 + cc], acc[1][nt][hf * 2 + cc]);
-                        reinterpret_cast<T*>(p.h)[pair * p.I + i] = from_f32<T>(v);
+                        reinterpret_cast<T*>(p.h)[pair * p.inter + i] = from_f32<T>(v);
                     }
                 } else {
 #pragma unroll
                     for (int mt = 0; mt < 2; ++mt) {
                         const int row = blk * PRE_ROWS + wr * 32 + mt * 16 + g + 8 * hf;
-                        if (row < static_cast<int>(p.H)) p.y[pair * p.H + row] = acc[mt][nt][hf * 2 + cc];
+                        if (row < static_cast<int>(p.hidden)) p.y[pair * p.hidden + row] = acc[mt][nt][hf * 2 + cc];
                     }
                 }
             }
@@ -778,19 +766,19 @@ template <class T>
 __device__ __forceinline__ void combine_body(const MoeParams& p) {
     const int tok = blockIdx.y;
     const int col = (blockIdx.x * NTHREADS + threadIdx.x) * 4;
-    if (col >= static_cast<int>(p.H)) return;
+    if (col >= static_cast<int>(p.hidden)) return;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int j = 0; j < static_cast<int>(p.k); ++j) {
-        const unsigned long long pair = static_cast<unsigned long long>(tok) * p.k + j;
-        if (p.ids[pair] >= p.E) continue;
+    for (int j = 0; j < static_cast<int>(p.top_k); ++j) {
+        const unsigned long long pair = static_cast<unsigned long long>(tok) * p.top_k + j;
+        if (p.ids[pair] >= p.num_experts) continue;
         const float w = p.route_w[pair];
-        const float4 v = __ldg(reinterpret_cast<const float4*>(p.y + pair * p.H + col));
+        const float4 v = __ldg(reinterpret_cast<const float4*>(p.y + pair * p.hidden + col));
         acc.x += w * v.x;
         acc.y += w * v.y;
         acc.z += w * v.z;
         acc.w += w * v.w;
     }
-    T* o = reinterpret_cast<T*>(p.out) + static_cast<unsigned long long>(tok) * p.H + col;
+    T* o = reinterpret_cast<T*>(p.out) + static_cast<unsigned long long>(tok) * p.hidden + col;
     o[0] = from_f32<T>(acc.x);
     o[1] = from_f32<T>(acc.y);
     o[2] = from_f32<T>(acc.z);
@@ -798,8 +786,6 @@ __device__ __forceinline__ void combine_body(const MoeParams& p) {
 }
 
 }  // namespace qmoe
-
-using qmoe::MoeParams;
 
 #define QMOE_DECODE(NAME, T, MODE, NT)                                                                \
     extern "C" __global__ void __launch_bounds__(qmoe::NTHREADS) NAME(const MoeParams p) {            \
@@ -838,4 +824,4 @@ QMOE_COMBINE(qmoe_combine_bf16, __nv_bfloat16)
 QMOE_COMBINE(qmoe_combine_f16, __half)
 QMOE_COMBINE(qmoe_combine_f32, float)
 
-extern "C" __global__ void __launch_bounds__(1024) qmoe_route(const MoeParams p) { qmoe::route_body(p); }
+extern "C" __global__ void __launch_bounds__(QMOE_ROUTE_THREADS) qmoe_route(const MoeParams p) { qmoe::route_body(p); }

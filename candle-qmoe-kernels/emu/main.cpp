@@ -12,8 +12,6 @@
 #include <random>
 #include <string>
 
-using qmoe::MoeParams;
-
 namespace {
 
 struct Geo {
@@ -87,14 +85,11 @@ QMOE_KSET(__nv_bfloat16, bf16)
 QMOE_KSET(__half, f16)
 QMOE_KSET(float, f32)
 
+// Dynamic shared memory as the Rust launcher sizes it (moe_geometry.h).
 size_t decode_smem(const Geo& g, int K, int T, int es) {
-    const int groups = (K + g.group - 1) / g.group;
-    return qmoe::DEC_RING_BYTES + rup(qmoe::DEC_ROWS * groups * 2, 16) + std::min(T, 16) * qmoe::x_pitch(K, es);
+    return QMOE_DEC_SMEM(K, std::min(T, QMOE_DEC_MAX_TOKENS), es, g.group);
 }
-template <class T> size_t prefill_smem(const Geo& g, int K) {
-    const int groups = (K + g.group - 1) / g.group;
-    return qmoe::pre_stages<T>() * qmoe::pre_stage_bytes<T>() + rup(qmoe::PRE_ROWS * groups * 2, 16);
-}
+size_t prefill_smem(const Geo& g, int K, int es) { return QMOE_PRE_SMEM(K, es, g.group); }
 
 // How the routed ids of a case are drawn: k distinct experts per token (what top-k gives), each
 // token's last id repeating its first, about a third of the ids out of range (pairs a residency
@@ -189,8 +184,8 @@ bool run_case(int H, int I, int E, int k, int group, int T_, bool decode, uint64
     std::memset(out.data(), 0xff, out.size() * sizeof(T));
     std::memset(hbuf.data(), 0xff, hbuf.size() * sizeof(T));
     std::memset(y.data(), 0xff, y.size() * sizeof(float));
-    const int max_tiles = (P + 63) / 64 + std::min(E, P);
-    std::vector<uint32_t> counters((H + 31) / 32, 0), rank(P), sorted(P, 0xffffffffu), tiles(3 * max_tiles, 0xffffffffu),
+    const int max_tiles = (P + QMOE_PRE_PAIRS - 1) / QMOE_PRE_PAIRS + std::min(E, P);
+    std::vector<uint32_t> counters((H + QMOE_DEC_ROWS - 1) / QMOE_DEC_ROWS, 0), rank(P), sorted(P, 0xffffffffu), tiles(3 * max_tiles, 0xffffffffu),
         ntiles(1, 0xffffffffu);
     MoeParams p{};
     p.slabs = slabs.data();
@@ -211,29 +206,30 @@ bool run_case(int H, int I, int E, int k, int group, int T_, bool decode, uint64
     p.off_dn_w = g.off_dn_w;
     p.off_gu_s = g.off_gu_s;
     p.off_dn_s = g.off_dn_s;
-    p.T = T_;
-    p.k = k;
-    p.E = E;
-    p.H = H;
-    p.I = I;
+    p.tokens = T_;
+    p.top_k = k;
+    p.num_experts = E;
+    p.hidden = H;
+    p.inter = I;
     p.group = group;
     p.max_tiles = max_tiles;
     const int es = sizeof(T);
     using K = Kernels<T>;
+    const auto blocks = [](int n, int per) { return static_cast<unsigned>((n + per - 1) / per); };
     if (decode) {
         const bool two = T_ > 8;
         const unsigned by = std::min(E, P);
-        emu::launch(two ? K::gu2 : K::gu1, &p, {static_cast<unsigned>((I + 15) / 16), by, 1}, 128,
+        emu::launch(two ? K::gu2 : K::gu1, &p, {blocks(I, QMOE_DEC_GATE_UP_ROWS), by, 1}, QMOE_NTHREADS,
                     decode_smem(g, H, T_, es));
-        emu::launch(two ? K::dn2 : K::dn1, &p, {static_cast<unsigned>((H + 31) / 32), by, 1}, 128,
+        emu::launch(two ? K::dn2 : K::dn1, &p, {blocks(H, QMOE_DEC_ROWS), by, 1}, QMOE_NTHREADS,
                     decode_smem(g, I, T_, es));
     } else {
-        emu::launch(thunk<qmoe_route>, &p, {1, 1, 1}, 1024, 0);
-        emu::launch(K::pgu, &p, {static_cast<unsigned>((I + 31) / 32), static_cast<unsigned>(max_tiles), 1}, 128,
-                    prefill_smem<T>(g, H));
-        emu::launch(K::pdn, &p, {static_cast<unsigned>((H + 63) / 64), static_cast<unsigned>(max_tiles), 1}, 128,
-                    prefill_smem<T>(g, I));
-        emu::launch(K::comb, &p, {static_cast<unsigned>((H + 511) / 512), static_cast<unsigned>(T_), 1}, 128, 0);
+        emu::launch(thunk<qmoe_route>, &p, {1, 1, 1}, QMOE_ROUTE_THREADS, 0);
+        emu::launch(K::pgu, &p, {blocks(I, QMOE_PRE_GATE_UP_ROWS), static_cast<unsigned>(max_tiles), 1}, QMOE_NTHREADS,
+                    prefill_smem(g, H, es));
+        emu::launch(K::pdn, &p, {blocks(H, QMOE_PRE_ROWS), static_cast<unsigned>(max_tiles), 1}, QMOE_NTHREADS,
+                    prefill_smem(g, I, es));
+        emu::launch(K::comb, &p, {blocks(H, QMOE_COMBINE_COLS), static_cast<unsigned>(T_), 1}, QMOE_NTHREADS, 0);
     }
     double num = 0, den = 0;
     size_t bad = 0;

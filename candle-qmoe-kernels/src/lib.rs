@@ -3,10 +3,13 @@
 //! With the `cuda` feature, `build.rs` compiles `cuda/w4a16_moe.cu` with nvcc into PTX for the
 //! compute_80 (Ampere, Ada) and compute_90 (Hopper) virtual architectures and this crate embeds
 //! both; [`ptx_for`] picks the one for a device. Without the feature the crate needs no CUDA
-//! toolkit and exposes only the kernel names.
+//! toolkit and exposes only the module name and the [`geometry`].
 //!
-//! The kernels and their launch geometry are described at the top of the `.cu` file; the Rust
-//! launcher lives in `candle_qmoe::kernels::cuda`.
+//! The kernels are described at the top of the `.cu` file; their launch geometry and parameter
+//! block live in `cuda/moe_geometry.h`, whose Rust side is [`geometry`] (with or without the
+//! feature). The Rust launcher lives in `candle_qmoe::kernels::cuda`.
+
+pub mod geometry;
 
 /// Name under which the module is cached per device.
 pub const MODULE_NAME: &str = "candle_qmoe_w4a16_moe";
@@ -29,6 +32,3 @@ pub fn ptx_for(major: i32, _minor: i32) -> Option<&'static str> {
         _ => Some(W4A16_MOE_SM90),
     }
 }
-
-/// Whether this build embeds the CUDA kernels.
-pub const HAS_CUDA: bool = cfg!(feature = "cuda");

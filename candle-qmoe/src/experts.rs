@@ -296,22 +296,6 @@ impl Int4Experts {
         resident.push(d.clone());
         Ok(d)
     }
-
-    /// [`RoutedExperts::forward`] on a CUDA device with a chosen kernel path; with `poison` every
-    /// buffer the kernels write is NaN-filled first (for correctness checks).
-    #[cfg(feature = "cuda")]
-    pub fn forward_cuda(
-        &self,
-        xs: &Tensor,
-        expert_ids: &Tensor,
-        weights: &Tensor,
-        path: cuda::CudaPath,
-        poison: bool,
-    ) -> candle::Result<Tensor> {
-        check_call(xs, expert_ids, weights, self.hidden_size())?;
-        self.device_experts(xs.device().as_cuda_device()?)?
-            .forward_tensors(xs, expert_ids, weights, path, poison)
-    }
 }
 
 impl RoutedExperts for Int4Experts {

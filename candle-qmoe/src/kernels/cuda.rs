@@ -16,19 +16,30 @@
 //!
 //! Activations may be BF16, F16 or F32 (the result has the same dtype); accumulation is F32.
 //! Ids ≥ E mark pairs computed elsewhere (they add 0); a token that repeats an expert counts each
-//! pair with its weight, as the CPU kernel does. Scratch buffers (and the decode path's arrival
-//! counters) are allocated per call on the calling thread's stream, so calls from several threads
-//! may overlap.
+//! pair with its weight, as the CPU kernel does.
+//!
+//! The kernels are loaded once per [`DeviceExperts`], each with its dynamic shared-memory limit
+//! set once to the device's opt-in limit minus the kernel's static shared memory (never per
+//! launch, so threads sharing a function cannot race on the attribute). The decode path's scratch
+//! (`h`, `y` and the arrival counters) comes from a pool keyed by calling thread and stream, so
+//! concurrent calls never share buffers; the counters are zeroed on the stream at every call.
+//! Prefill scratch, and any scratch of a call made while its stream is being captured into a
+//! CUDA graph (the graph then owns it), is allocated per call on the calling thread's stream.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::thread::ThreadId;
 
-use candle::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use candle::cuda_backend::cudarc::driver::sys::{
+    CUdevice_attribute, CUfunction_attribute, CUstreamCaptureStatus,
+};
 use candle::cuda_backend::cudarc::driver::{
-    self, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, PushKernelArg,
-    ValidAsZeroBits,
+    self, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    PushKernelArg, ValidAsZeroBits,
 };
 use candle::cuda_backend::{CudaDevice, CudaStorage, CudaStorageSlice, WrapErr};
 use candle::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+use candle_qmoe_kernels::geometry::{self as geo, MoeParams};
 use half::{bf16, f16};
 
 use crate::pack::{ExpertLayout, LayerPack};
@@ -36,24 +47,12 @@ use crate::pack::{ExpertLayout, LayerPack};
 pub use candle_qmoe_kernels::{ptx_for, W4A16_MOE_SM80, W4A16_MOE_SM90};
 
 /// Most tokens the decode kernels take in one call (two 8-token MMA tiles per expert).
-pub const DECODE_MAX_TOKENS: usize = 16;
+pub const DECODE_MAX_TOKENS: usize = geo::DEC_MAX_TOKENS;
 /// Most routed experts per layer the kernels support (the decode bitmap and route scan).
-pub const MAX_EXPERTS: usize = 1024;
+pub const MAX_EXPERTS: usize = geo::MAX_EXPERTS;
 /// Most tokens one pass of the prefill kernels takes: longer calls run in passes, which bounds
 /// the scratch (`PREFILL_PASS_TOKENS · k · H` F32 outputs) and keeps the grids inside CUDA's limits.
 pub const PREFILL_PASS_TOKENS: usize = 2048;
-
-// Geometry shared with w4a16_moe.cu.
-const NTHREADS: u32 = 128;
-const W_PITCH: usize = 80;
-const DEC_RING_BYTES: usize = 4 * 4 * 32 * W_PITCH;
-const DEC_ROWS: usize = 32;
-const PRE_ROWS: usize = 64;
-const PRE_PAIRS: usize = 64;
-const STEP_COLS: usize = 128;
-/// Shared memory held back for the kernels' static `__shared__` variables when deciding whether
-/// the decode kernels fit (they use about 256 bytes; launches check the real figure).
-const STATIC_SMEM_RESERVE: usize = 1024;
 
 /// Which kernels run a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,66 +65,177 @@ pub enum CudaPath {
     Prefill,
 }
 
-/// Kernel parameters, mirrored by `struct MoeParams` in `w4a16_moe.cu`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-struct MoeParams {
-    slabs: u64,
-    slot_of: u64,
-    x: u64,
-    ids: u64,
-    route_w: u64,
-    h: u64,
-    y: u64,
-    out: u64,
-    counters: u64,
-    rank: u64,
-    sorted: u64,
-    tiles: u64,
-    num_tiles: u64,
-    slab_bytes: u64,
-    off_gu_w: u64,
-    off_dn_w: u64,
-    off_gu_s: u64,
-    off_dn_s: u64,
-    t: u32,
-    k: u32,
-    e: u32,
-    hidden: u32,
-    inter: u32,
-    group: u32,
-    max_tiles: u32,
-    pad: u32,
+/// [`MoeParams`] as a kernel argument.
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+struct KernelArg(MoeParams);
+
+// SAFETY: `MoeParams` is generated from the kernels' header (`moe_geometry.h`) as a `repr(C)`
+// struct of integers whose size, alignment and field offsets the kernels crate checks at compile
+// time against the C compiler's view of that header, so its bytes are a valid kernel parameter.
+unsafe impl DeviceRepr for KernelArg {}
+
+/// One loaded kernel of the module.
+struct Kernel {
+    name: String,
+    func: CudaFunction,
+    /// Most dynamic shared memory a launch may use: the device's opt-in limit minus the
+    /// kernel's static shared memory, set once as the function's attribute at load time.
+    max_dynamic_smem: usize,
 }
 
-const _: () = assert!(std::mem::size_of::<MoeParams>() == 176);
-
-// SAFETY: `MoeParams` is `repr(C)`, `Copy`, holds only integers and matches the field order,
-// sizes and alignment of the kernels' `MoeParams` (176 bytes, checked above), so its bytes are a
-// valid kernel parameter.
-unsafe impl DeviceRepr for MoeParams {}
-
-fn round_up(x: usize, m: usize) -> usize {
-    x.div_ceil(m) * m
+impl Kernel {
+    fn load(
+        device: &CudaDevice,
+        ptx: &str,
+        name: String,
+        smem_optin: usize,
+    ) -> candle::Result<Self> {
+        let func = device
+            .get_or_load_custom_func(&name, candle_qmoe_kernels::MODULE_NAME, ptx)?
+            .into_cuda_function();
+        // The opt-in limit covers static and dynamic shared memory together.
+        let static_smem = func.shared_size_bytes().w()? as usize;
+        let max_dynamic_smem = smem_optin.saturating_sub(static_smem);
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            max_dynamic_smem as i32,
+        )
+        .w()?;
+        Ok(Self {
+            name,
+            func,
+            max_dynamic_smem,
+        })
+    }
 }
 
-/// Shared-memory pitch of a row of `cols` activations of `es` bytes (as `x_pitch` in the .cu).
-fn x_pitch(cols: usize, es: usize) -> usize {
-    round_up(cols * es, 128) + if es == 2 { 64 } else { 16 }
+/// The kernels of one activation type.
+struct TypedKernels {
+    /// Decode gate/up for one and two 8-token tiles.
+    decode_gate_up: [Kernel; 2],
+    /// Decode down (+ combine by the last block) for one and two 8-token tiles.
+    decode_down: [Kernel; 2],
+    prefill_gate_up: Kernel,
+    prefill_down: Kernel,
+    combine: Kernel,
 }
+
+/// Every kernel of the module, loaded once.
+struct Kernels {
+    bf16: TypedKernels,
+    f16: TypedKernels,
+    f32: TypedKernels,
+    route: Kernel,
+}
+
+impl Kernels {
+    fn load(device: &CudaDevice, ptx: &str, smem_optin: usize) -> candle::Result<Self> {
+        let load = |name: String| Kernel::load(device, ptx, name, smem_optin);
+        let typed = |dt: &str| -> candle::Result<TypedKernels> {
+            Ok(TypedKernels {
+                decode_gate_up: [
+                    load(format!("qmoe_decode_gate_up_{dt}_nt1"))?,
+                    load(format!("qmoe_decode_gate_up_{dt}_nt2"))?,
+                ],
+                decode_down: [
+                    load(format!("qmoe_decode_down_{dt}_nt1"))?,
+                    load(format!("qmoe_decode_down_{dt}_nt2"))?,
+                ],
+                prefill_gate_up: load(format!("qmoe_prefill_gate_up_{dt}"))?,
+                prefill_down: load(format!("qmoe_prefill_down_{dt}"))?,
+                combine: load(format!("qmoe_combine_{dt}"))?,
+            })
+        };
+        Ok(Self {
+            bf16: typed("bf16")?,
+            f16: typed("f16")?,
+            f32: typed("f32")?,
+            route: load("qmoe_route".to_string())?,
+        })
+    }
+
+    /// The kernels activations of `dtype` run with (other float types run as F32).
+    fn typed(&self, dtype: DType) -> &TypedKernels {
+        match dtype {
+            DType::BF16 => &self.bf16,
+            DType::F16 => &self.f16,
+            _ => &self.f32,
+        }
+    }
+}
+
+/// Index of the decode kernels (one or two 8-token MMA tiles) for `t` tokens.
+fn decode_tiles(t: usize) -> usize {
+    usize::from(t > 8)
+}
+
+/// The decode path's scratch of one (thread, stream): `h`, `y` and the arrival counters.
+struct DecodeScratch {
+    h: CudaSlice<u8>,
+    y: CudaSlice<f32>,
+    counters: CudaSlice<u32>,
+    /// Recorded on the stream after the launches that last used the buffers (none yet for a
+    /// new scratch).
+    done: Option<CudaEvent>,
+}
+
+impl DecodeScratch {
+    fn alloc(
+        device: &CudaDevice,
+        h_bytes: usize,
+        y_len: usize,
+        counters: usize,
+    ) -> candle::Result<Self> {
+        // SAFETY: `h` and `y` are written by the kernels before they are read (checked by the
+        // poisoned runs of the GPU check); the counters are zeroed at every call.
+        let (h, y) = unsafe {
+            (
+                device.alloc::<u8>(h_bytes.max(1))?,
+                device.alloc::<f32>(y_len.max(1))?,
+            )
+        };
+        let counters = device.alloc_zeros::<u32>(counters.max(1))?;
+        Ok(Self {
+            h,
+            y,
+            counters,
+            done: None,
+        })
+    }
+
+    fn fits(&self, h_bytes: usize, y_len: usize, counters: usize) -> bool {
+        self.h.len() >= h_bytes && self.y.len() >= y_len && self.counters.len() >= counters
+    }
+}
+
+impl Drop for DecodeScratch {
+    fn drop(&mut self) {
+        // The buffers are freed on the dropping thread's stream, which need not be the stream of
+        // their last use: wait for that use first (a failure has no caller to go to, and the
+        // context's next call reports a sticky error anyway).
+        if let Some(done) = &self.done {
+            let _ = done.synchronize();
+        }
+    }
+}
+
+/// Key of a [`DecodeScratch`]: Candle's per-thread default stream has the same handle on every
+/// thread, so the thread is part of the key.
+type ScratchKey = (ThreadId, usize);
 
 /// One layer's packed experts resident on a CUDA device.
 ///
-/// Calls are ordered on the calling thread's stream of the device and keep no state between
-/// them, so threads may share one `DeviceExperts`.
+/// Calls are ordered on the calling thread's stream of the device; threads may share one
+/// `DeviceExperts` (each thread and stream has its own decode scratch).
 pub struct DeviceExperts {
     device: CudaDevice,
     layout: ExpertLayout,
     num_experts: usize,
     slabs: CudaSlice<u8>,
     slot_of: CudaSlice<u32>,
-    ptx: &'static str,
-    smem_optin: usize,
+    kernels: Kernels,
+    decode_scratch: Mutex<HashMap<ScratchKey, DecodeScratch>>,
 }
 
 impl std::fmt::Debug for DeviceExperts {
@@ -219,6 +329,7 @@ impl DeviceExperts {
         let smem_optin = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .w()? as usize;
+        let kernels = Kernels::load(device, ptx, smem_optin)?;
         let slabs = device.alloc_zeros::<u8>((slots * layout.slab_bytes()).max(1))?;
         let slot_of = device.clone_htod(vec![u32::MAX; num_experts].as_slice())?;
         stream.synchronize().w()?;
@@ -228,8 +339,8 @@ impl DeviceExperts {
             num_experts,
             slabs,
             slot_of,
-            ptx,
-            smem_optin,
+            kernels,
+            decode_scratch: Mutex::default(),
         })
     }
 
@@ -255,37 +366,40 @@ impl DeviceExperts {
     pub fn num_experts(&self) -> usize {
         self.num_experts
     }
-    /// Bytes of expert slabs resident on the device.
-    pub fn resident_bytes(&self) -> usize {
-        self.slabs.len()
-    }
     /// The expert → slot table the kernels index through (`u32` per expert).
     pub fn slot_table(&self) -> &CudaSlice<u32> {
         &self.slot_of
     }
 
-    /// Shared memory of the decode kernel reading rows of `k_dim` columns for `t` tokens.
+    /// Dynamic shared memory of the decode kernel reading rows of `k_dim` columns for `t`
+    /// tokens of `es` bytes.
     fn decode_smem(&self, k_dim: usize, t: usize, es: usize) -> usize {
-        let groups = k_dim.div_ceil(self.layout.group_size.get());
-        DEC_RING_BYTES
-            + round_up(DEC_ROWS * groups * 2, 16)
-            + t.min(DECODE_MAX_TOKENS) * x_pitch(k_dim, es)
+        geo::decode_smem(
+            k_dim,
+            t.min(DECODE_MAX_TOKENS),
+            es,
+            self.layout.group_size.get(),
+        )
     }
 
-    /// Shared memory of a prefill kernel reading rows of `k_dim` columns (3 pipeline stages, 2
-    /// for F32 activations, as `pre_stages` in the .cu).
+    /// Dynamic shared memory of a prefill kernel reading rows of `k_dim` columns.
     fn prefill_smem(&self, k_dim: usize, es: usize) -> usize {
-        let groups = k_dim.div_ceil(self.layout.group_size.get());
-        let stage = PRE_ROWS * W_PITCH + PRE_PAIRS * x_pitch(STEP_COLS, es);
-        let stages = if es == 4 { 2 } else { 3 };
-        stages * stage + round_up(PRE_ROWS * groups * 2, 16)
+        geo::prefill_smem(k_dim, es, self.layout.group_size.get())
     }
 
-    /// Whether the decode kernels fit the device's shared memory for `t` tokens of `dtype`.
+    /// Whether the decode kernels fit the device's shared memory for `t` tokens of `dtype`
+    /// (other float types than BF16/F16 run as F32).
     pub fn decode_fits(&self, t: usize, dtype: DType) -> bool {
-        let es = dtype.size_in_bytes();
-        let fits = |k_dim| self.decode_smem(k_dim, t, es) + STATIC_SMEM_RESERVE <= self.smem_optin;
-        t <= DECODE_MAX_TOKENS && fits(self.layout.hidden) && fits(self.layout.intermediate)
+        let (kernels, es) = match dtype {
+            DType::BF16 | DType::F16 => (self.kernels.typed(dtype), 2),
+            _ => (self.kernels.typed(DType::F32), 4),
+        };
+        let tiles = decode_tiles(t);
+        t <= DECODE_MAX_TOKENS
+            && self.decode_smem(self.layout.hidden, t, es)
+                <= kernels.decode_gate_up[tiles].max_dynamic_smem
+            && self.decode_smem(self.layout.intermediate, t, es)
+                <= kernels.decode_down[tiles].max_dynamic_smem
     }
 
     /// [`DeviceExperts::forward`] on tensors: `xs [T, H]` on this device (BF16/F16/F32, other
@@ -390,33 +504,76 @@ impl DeviceExperts {
     ) -> candle::Result<CudaSlice<T>> {
         // SAFETY: the buffer is only handed to kernels that write every element they later read
         // (checked by the poisoned runs of the GPU check), or filled right below.
-        let s = unsafe { self.device.alloc::<T>(len.max(1)) }?;
+        let mut s = unsafe { self.device.alloc::<T>(len.max(1)) }?;
         if poison {
-            let (p, _guard) = s.device_ptr(stream);
-            // SAFETY: `p` points to `len.max(1) * size_of::<T>()` bytes allocated on `stream`'s
-            // context just above; the memset is ordered on the same stream.
-            unsafe {
-                driver::result::memset_d8_async(
-                    p,
-                    0xff,
-                    len.max(1) * std::mem::size_of::<T>(),
-                    stream.cu_stream(),
-                )
-            }
-            .w()?;
+            fill(stream, &mut s, 0xff)?;
         }
         Ok(s)
     }
 
-    /// Launches kernel `name` with `params` on `grid` × 128 threads and `smem` dynamic bytes.
+    /// The calling thread's decode scratch for this stream with room for `h_bytes`, `y_len` and
+    /// `counters`: from the pool, or new (always new while the stream is being captured into a
+    /// graph, which then owns it). Give it back with [`DeviceExperts::put_decode_scratch`].
+    fn take_decode_scratch(
+        &self,
+        stream: &CudaStream,
+        capturing: bool,
+        h_bytes: usize,
+        y_len: usize,
+        counters: usize,
+    ) -> candle::Result<DecodeScratch> {
+        let pooled = match capturing {
+            true => None,
+            false => self.pool().remove(&scratch_key(stream)),
+        };
+        match pooled {
+            Some(s) if s.fits(h_bytes, y_len, counters) => Ok(s),
+            Some(s) => {
+                // Grow to what this call needs and at least what the old buffers held.
+                let (h, y, c) = (s.h.len(), s.y.len(), s.counters.len());
+                drop(s);
+                DecodeScratch::alloc(&self.device, h.max(h_bytes), y.max(y_len), c.max(counters))
+            }
+            None => DecodeScratch::alloc(&self.device, h_bytes, y_len, counters),
+        }
+    }
+
+    /// Returns `scratch` to the pool after recording its last use on `stream` (dropped instead
+    /// while capturing: the graph owns it).
+    fn put_decode_scratch(
+        &self,
+        stream: &CudaStream,
+        capturing: bool,
+        mut scratch: DecodeScratch,
+    ) -> candle::Result<()> {
+        if capturing {
+            return Ok(());
+        }
+        match &scratch.done {
+            Some(done) => done.record(stream).w()?,
+            None => scratch.done = Some(stream.record_event(None).w()?),
+        }
+        self.pool().insert(scratch_key(stream), scratch);
+        Ok(())
+    }
+
+    fn pool(&self) -> std::sync::MutexGuard<'_, HashMap<ScratchKey, DecodeScratch>> {
+        self.decode_scratch
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Launches `kernel` with `params` on `grid` × `block` threads and `smem` dynamic bytes.
     fn launch(
         &self,
-        name: &str,
+        stream: &Arc<CudaStream>,
+        kernel: &Kernel,
         params: &MoeParams,
-        grid: (u32, u32),
-        block: u32,
+        grid: (usize, usize),
+        block: usize,
         smem: usize,
     ) -> candle::Result<()> {
+        let name = &kernel.name;
         if grid.0 == 0 || grid.1 == 0 {
             return Ok(());
         }
@@ -426,36 +583,26 @@ impl DeviceExperts {
                 grid.1
             );
         }
-        let func = self.device.get_or_load_custom_func(
-            name,
-            candle_qmoe_kernels::MODULE_NAME,
-            self.ptx,
-        )?;
-        // The opt-in limit covers static and dynamic shared memory together.
-        let static_smem = func.shared_size_bytes().w()? as usize;
-        if smem + static_smem > self.smem_optin {
+        if smem > kernel.max_dynamic_smem {
             candle::bail!(
-                "CUDA routed experts: {name} needs {} bytes of shared memory, the device allows {}",
-                smem + static_smem,
-                self.smem_optin
+                "CUDA routed experts: {name} needs {smem} bytes of dynamic shared memory, the \
+                 device allows {} beside the kernel's static shared memory",
+                kernel.max_dynamic_smem
             );
         }
-        func.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .w()?;
         let cfg = driver::LaunchConfig {
-            grid_dim: (grid.0, grid.1, 1),
-            block_dim: (block, 1, 1),
+            grid_dim: (grid.0 as u32, grid.1 as u32, 1),
+            block_dim: (block as u32, 1, 1),
             shared_mem_bytes: smem as u32,
         };
-        let mut b = func.builder();
-        b.arg(params);
+        let arg = KernelArg(*params);
+        let mut b = stream.launch_builder(&kernel.func);
+        b.arg(&arg);
         // SAFETY: every kernel of the module takes exactly one `MoeParams` by value; the device
         // pointers in `params` are live allocations of this device that the caller keeps alive
-        // until the stream has run the kernel (stream order: their frees are queued after it),
-        // sized for the shapes in `params` as the kernels index them.
+        // until the stream has run the kernel (stream order: their frees are queued after it, or
+        // wait for the scratch's `done` event), sized for the shapes in `params` as the kernels
+        // index them.
         unsafe { b.launch(cfg) }.w()?;
         Ok(())
     }
@@ -476,12 +623,7 @@ impl DeviceExperts {
     ) -> candle::Result<CudaSlice<T>> {
         let es = std::mem::size_of::<T>();
         let dtype = T::DTYPE;
-        let suffix = match dtype {
-            DType::BF16 => "bf16",
-            DType::F16 => "f16",
-            DType::F32 => "f32",
-            _ => candle::bail!("CUDA routed experts: unsupported dtype {dtype:?}"),
-        };
+        let kernels = self.kernels.typed(dtype);
         let l = self.layout;
         let (h, i) = (l.hidden, l.intermediate);
         let decode = match path {
@@ -514,57 +656,45 @@ impl DeviceExperts {
             off_dn_w: o.down_weights as u64,
             off_gu_s: o.gate_up_scales as u64,
             off_dn_s: o.down_scales as u64,
-            k: k as u32,
-            e: self.num_experts as u32,
+            top_k: k as u32,
+            num_experts: self.num_experts as u32,
             hidden: h as u32,
             inter: i as u32,
             group: l.group_size.get() as u32,
             ..Default::default()
         };
-        let pass = if decode {
-            t
-        } else {
-            t.min(PREFILL_PASS_TOKENS)
-        };
-        let mut hbuf = self.scratch::<T>(stream, pass * k * i, poison)?;
-        let mut ybuf = self.scratch::<f32>(stream, pass * k * h, poison)?;
-        let (h_p, _h_guard) = hbuf.device_ptr_mut(stream);
-        let (y_p, _y_guard) = ybuf.device_ptr_mut(stream);
-        params.h = h_p;
-        params.y = y_p;
         // Points the kernels at tokens t0 .. t0 + tc of the call.
         let set_pass = |params: &mut MoeParams, t0: usize, tc: usize| {
             params.x = x + (t0 * h * es) as u64;
             params.ids = ids + (t0 * k * 4) as u64;
             params.route_w = route_w + (t0 * k * 4) as u64;
             params.out = out_p + (t0 * h * es) as u64;
-            params.t = tc as u32;
+            params.tokens = tc as u32;
         };
-        // Prefill tiles of `pairs` routed rows: full tiles plus one partial tile per expert.
-        let tiles_for = |pairs: usize| pairs.div_ceil(PRE_PAIRS) + self.num_experts.min(pairs);
+        let nthreads = geo::NTHREADS;
         if decode {
-            let nt = if t <= 8 { 1 } else { 2 };
-            let blocks_y = self.num_experts.min(t * k) as u32;
-            // Arrival counters, zero on entry; the kernel's last blocks leave them zero.
-            let mut counters = self.device.alloc_zeros::<u32>(h.div_ceil(DEC_ROWS))?;
-            let (c_p, _c_guard) = counters.device_ptr_mut(stream);
-            params.counters = c_p;
+            let capturing = stream.capture_status().w()?
+                != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            let n_counters = h.div_ceil(geo::DEC_ROWS);
+            let mut scratch =
+                self.take_decode_scratch(stream, capturing, t * k * i * es, t * k * h, n_counters)?;
             set_pass(&mut params, 0, t);
-            self.launch(
-                &format!("qmoe_decode_gate_up_{suffix}_nt{nt}"),
-                &params,
-                (i.div_ceil(16) as u32, blocks_y),
-                NTHREADS,
-                self.decode_smem(h, t, es),
-            )?;
-            self.launch(
-                &format!("qmoe_decode_down_{suffix}_nt{nt}"),
-                &params,
-                (h.div_ceil(DEC_ROWS) as u32, blocks_y),
-                NTHREADS,
-                self.decode_smem(i, t, es),
-            )?;
+            let launched = self.run_decode(stream, kernels, &mut params, &mut scratch, es, poison);
+            // Returned even after a failed launch: the buffers stay valid, the counters are
+            // zeroed again by the next call.
+            self.put_decode_scratch(stream, capturing, scratch)?;
+            launched?;
         } else {
+            let pass = t.min(PREFILL_PASS_TOKENS);
+            let mut hbuf = self.scratch::<T>(stream, pass * k * i, poison)?;
+            let mut ybuf = self.scratch::<f32>(stream, pass * k * h, poison)?;
+            let (h_p, _h_guard) = hbuf.device_ptr_mut(stream);
+            let (y_p, _y_guard) = ybuf.device_ptr_mut(stream);
+            params.h = h_p;
+            params.y = y_p;
+            // Prefill tiles of `pairs` routed rows: full tiles plus one partial tile per expert.
+            let tiles_for =
+                |pairs: usize| pairs.div_ceil(geo::PRE_PAIRS) + self.num_experts.min(pairs);
             let max_tiles = tiles_for(pass * k);
             let mut rank = self.scratch::<u32>(stream, pass * k, false)?;
             let mut sorted = self.scratch::<u32>(stream, pass * k, poison)?;
@@ -583,26 +713,36 @@ impl DeviceExperts {
                 let max_tiles = tiles_for(tc * k);
                 set_pass(&mut params, t0, tc);
                 params.max_tiles = max_tiles as u32;
-                self.launch("qmoe_route", &params, (1, 1), 1024, 0)?;
                 self.launch(
-                    &format!("qmoe_prefill_gate_up_{suffix}"),
+                    stream,
+                    &self.kernels.route,
                     &params,
-                    (i.div_ceil(32) as u32, max_tiles as u32),
-                    NTHREADS,
+                    (1, 1),
+                    geo::ROUTE_THREADS,
+                    0,
+                )?;
+                self.launch(
+                    stream,
+                    &kernels.prefill_gate_up,
+                    &params,
+                    (i.div_ceil(geo::PRE_GATE_UP_ROWS), max_tiles),
+                    nthreads,
                     self.prefill_smem(h, es),
                 )?;
                 self.launch(
-                    &format!("qmoe_prefill_down_{suffix}"),
+                    stream,
+                    &kernels.prefill_down,
                     &params,
-                    (h.div_ceil(PRE_ROWS) as u32, max_tiles as u32),
-                    NTHREADS,
+                    (h.div_ceil(geo::PRE_ROWS), max_tiles),
+                    nthreads,
                     self.prefill_smem(i, es),
                 )?;
                 self.launch(
-                    &format!("qmoe_combine_{suffix}"),
+                    stream,
+                    &kernels.combine,
                     &params,
-                    (h.div_ceil(4 * NTHREADS as usize) as u32, tc as u32),
-                    NTHREADS,
+                    (h.div_ceil(geo::COMBINE_COLS), tc),
+                    nthreads,
                     0,
                 )?;
             }
@@ -610,6 +750,71 @@ impl DeviceExperts {
         drop(out_guard);
         Ok(out)
     }
+
+    /// The two decode launches of the call `params` points at, on `scratch`, for activations of
+    /// `es` bytes.
+    fn run_decode(
+        &self,
+        stream: &Arc<CudaStream>,
+        kernels: &TypedKernels,
+        params: &mut MoeParams,
+        scratch: &mut DecodeScratch,
+        es: usize,
+        poison: bool,
+    ) -> candle::Result<()> {
+        let (h, i) = (self.layout.hidden, self.layout.intermediate);
+        let (t, k) = (params.tokens as usize, params.top_k as usize);
+        if poison {
+            fill(stream, &mut scratch.h, 0xff)?;
+            fill(stream, &mut scratch.y, 0xff)?;
+        }
+        // Arrival counters: zero on entry (the kernel's last blocks leave them zero, but a call
+        // that failed midway or a graph replay elsewhere must not leave this one a stale count).
+        fill(stream, &mut scratch.counters, 0)?;
+        let (h_p, _h_guard) = scratch.h.device_ptr_mut(stream);
+        let (y_p, _y_guard) = scratch.y.device_ptr_mut(stream);
+        let (c_p, _c_guard) = scratch.counters.device_ptr_mut(stream);
+        params.h = h_p;
+        params.y = y_p;
+        params.counters = c_p;
+        let tiles = decode_tiles(t);
+        let blocks_y = self.num_experts.min(t * k);
+        // (kernel, row blocks, reduction length): gate/up reads rows of H, down rows of I.
+        let launches = [
+            (
+                &kernels.decode_gate_up[tiles],
+                i.div_ceil(geo::DEC_GATE_UP_ROWS),
+                h,
+            ),
+            (&kernels.decode_down[tiles], h.div_ceil(geo::DEC_ROWS), i),
+        ];
+        for (kernel, blocks_x, k_dim) in launches {
+            let smem = self.decode_smem(k_dim, t, es);
+            self.launch(
+                stream,
+                kernel,
+                params,
+                (blocks_x, blocks_y),
+                geo::NTHREADS,
+                smem,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Sets every byte of `buf` to `value` on `stream`.
+fn fill<T>(stream: &CudaStream, buf: &mut CudaSlice<T>, value: u8) -> candle::Result<()> {
+    let bytes = buf.num_bytes();
+    let (p, _guard) = buf.device_ptr_mut(stream);
+    // SAFETY: `p` points to the `bytes` bytes of `buf`, a live allocation of `stream`'s context;
+    // the memset is ordered on `stream` and the guard records it as a write of `buf`.
+    unsafe { driver::result::memset_d8_async(p, value, bytes, stream.cu_stream()) }.w()
+}
+
+/// The pool key of the calling thread on `stream`.
+fn scratch_key(stream: &CudaStream) -> ScratchKey {
+    (std::thread::current().id(), stream.cu_stream() as usize)
 }
 
 /// Contiguous kernel inputs: activations in BF16/F16/F32 (other dtypes become F32), ids in U32,

@@ -7,6 +7,10 @@
 //! (retirement); the compute stream waits for a step's copies and then receives the new slot
 //! table (publication), so kernels never see a half-copied expert. [`CudaResidentExperts`] runs
 //! the W4A16 CUDA kernels through such a store.
+//!
+//! Teardown: the copies read pinned staging buffers and write arena slots asynchronously, so an
+//! arena, a staging buffer and the backend each synchronise the copy stream before they are
+//! freed, whichever of them goes first.
 
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
@@ -27,7 +31,30 @@ use crate::{QmoeError, RoutedExperts};
 /// A layer's slot arena on the GPU.
 pub struct CudaArena {
     experts: DeviceExperts,
+    /// The stream that copies into the slots, synchronised before the slots are freed.
+    copy: Arc<CudaStream>,
     _reserved: Reservation,
+}
+
+impl Drop for CudaArena {
+    fn drop(&mut self) {
+        // No caller to report a failure to; the context records it.
+        let _ = self.copy.synchronize();
+    }
+}
+
+/// A pinned staging buffer; the copy stream reads it.
+pub struct CudaStaging {
+    pinned: PinnedHostSlice<u8>,
+    /// The stream whose copies read the buffer, synchronised before the buffer is freed (the
+    /// copies read it as a plain slice, so the buffer's own event never sees them).
+    copy: Arc<CudaStream>,
+}
+
+impl Drop for CudaStaging {
+    fn drop(&mut self) {
+        let _ = self.copy.synchronize();
+    }
 }
 
 impl CudaArena {
@@ -102,10 +129,18 @@ impl CudaMemory {
     }
 }
 
+impl Drop for CudaMemory {
+    fn drop(&mut self) {
+        // Copies still in flight finish before the stream goes (the arenas and staging buffers
+        // wait for it too when they are freed after the backend).
+        let _ = self.copy.synchronize();
+    }
+}
+
 impl MemoryBackend for CudaMemory {
     type Event = Arc<CudaEvent>;
     type Arena = CudaArena;
-    type Staging = PinnedHostSlice<u8>;
+    type Staging = CudaStaging;
 
     fn alloc_arena(
         &self,
@@ -136,33 +171,32 @@ impl MemoryBackend for CudaMemory {
             })?;
         Ok(CudaArena {
             experts,
+            copy: self.copy.clone(),
             _reserved: reserved,
         })
     }
 
-    fn alloc_staging(&self, bytes: usize) -> candle::Result<PinnedHostSlice<u8>> {
+    fn alloc_staging(&self, bytes: usize) -> candle::Result<CudaStaging> {
         let ctx = self.device.cuda_stream().context().clone();
         // SAFETY: staging bytes are written by the host before any copy reads them.
-        unsafe { ctx.alloc_pinned::<u8>(bytes) }.map_err(|e| {
-            QmoeError::OutOfMemory {
-                what: "a pinned staging buffer".into(),
-                needed: bytes,
-                reason: e.to_string(),
-            }
-            .into()
+        let pinned = unsafe { ctx.alloc_pinned::<u8>(bytes) }.map_err(|e| QmoeError::OutOfMemory {
+            what: "a pinned staging buffer".into(),
+            needed: bytes,
+            reason: e.to_string(),
+        })?;
+        Ok(CudaStaging {
+            pinned,
+            copy: self.copy.clone(),
         })
     }
 
-    fn staging_mut<'a>(
-        &self,
-        staging: &'a mut PinnedHostSlice<u8>,
-    ) -> candle::Result<&'a mut [u8]> {
-        staging.as_mut_slice().w()
+    fn staging_mut<'a>(&self, staging: &'a mut CudaStaging) -> candle::Result<&'a mut [u8]> {
+        staging.pinned.as_mut_slice().w()
     }
 
     fn copy_to_slot(
         &self,
-        src: &PinnedHostSlice<u8>,
+        src: &CudaStaging,
         len: usize,
         arena: &mut CudaArena,
         slot: usize,
@@ -175,7 +209,7 @@ impl MemoryBackend for CudaMemory {
         if let Some(readers) = after {
             self.copy.wait(readers).w()?;
         }
-        let bytes = &src.as_slice().w()?[..len];
+        let bytes = &src.pinned.as_slice().w()?[..len];
         let mut dst = arena
             .experts
             .slabs_mut()

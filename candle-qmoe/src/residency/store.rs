@@ -81,6 +81,9 @@ impl<B: MemoryBackend> StagingRing<B> {
 /// published in one step after all copies. If anything fails before publication, the previous
 /// table stays published minus the slots a copy may have overwritten, and the error is returned.
 pub struct ExpertStore<B: MemoryBackend> {
+    // Fields drop in order: the backend first, so that the last store to go lets a backend that
+    // copies asynchronously (CUDA) finish its copies before the arena and the staging ring,
+    // which those copies write and read, are freed.
     backend: Arc<B>,
     source: LayerPack,
     arena: B::Arena,
