@@ -1,4 +1,4 @@
-//! PERF-REAL (DESIGN.md §3.3): the fixed benchmark campaign on any model, backend and
+//! PERF-REAL (docs/architecture.md §6): the fixed benchmark campaign on any model, backend and
 //! residency, recorded in a JSON evidence file.
 //!
 //! ```text

@@ -1,6 +1,6 @@
 //! Compares a model folder with a golden file made by Hugging Face transformers (the fixture
-//! format of DESIGN.md §4): per prompt, teacher-forced max |Δlogit|, mean KL and top-1 agreement
-//! over the prompt and the golden greedy continuation, how many greedy tokens (with the KV cache)
+//! format of docs/architecture.md §7): per prompt, teacher-forced max |Δlogit|, mean KL and
+//! top-1 agreement over the prompt and the golden greedy continuation, how many greedy tokens (with the KV cache)
 //! match before the first divergence, and the router's top-k agreement. For people porting a
 //! model: see docs/porting.md.
 //!

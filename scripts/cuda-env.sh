@@ -2,8 +2,8 @@
 # Source me: `source scripts/cuda-env.sh`
 #
 # A CUDA 13.0 toolchain for building candle-qmoe's `cuda` feature on a machine with no GPU and no
-# CUDA toolkit (DESIGN.md §5). On first use it installs the PyPI CUDA 13.0 wheels pinned below
-# into a cache (default ~/.cache/candle-qmoe/cuda-13.0, override with QMOE_CUDA_CACHE), builds a
+# CUDA toolkit (docs/architecture.md §8). On first use it installs the PyPI CUDA 13.0 wheels
+# pinned below into a cache (default ~/.cache/candle-qmoe/cuda-13.0, override with QMOE_CUDA_CACHE), builds a
 # toolkit-shaped folder of symlinks (bin, include, nvvm, lib64 with unversioned lib*.so links)
 # and a stub libcuda.so (SONAME libcuda.so.1, every `cu*` entry point of cuda.h returning
 # CUDA_ERROR_STUB_LIBRARY = 34) in lib64/stubs. Later calls only export the variables and print

@@ -1,6 +1,6 @@
-//! The PERF-REAL benchmark contract (DESIGN.md §3.3): the fixed prompt set, one campaign of
-//! greedy responses with end-of-sequence suppressed, the metrics aggregated over it, and the
-//! plot of a residency sweep.
+//! The PERF-REAL benchmark contract (docs/architecture.md §6): the fixed prompt set, one
+//! campaign of greedy responses with end-of-sequence suppressed, the metrics aggregated over it,
+//! and the plot of a residency sweep.
 //!
 //! The campaign is `blocks` repetitions of the first `prompts` prompts, one request at a time,
 //! each answered with exactly `sample_len` new tokens, after one warm-up response that is not
@@ -55,7 +55,7 @@ pub struct Contract {
 }
 
 impl Contract {
-    /// DESIGN.md §3.3: 12 prompts × 3 blocks × 128 tokens after a 64-token warm-up.
+    /// docs/architecture.md §6: 12 prompts × 3 blocks × 128 tokens after a 64-token warm-up.
     pub const FULL: Self = Self {
         prompts: PROMPTS.len(),
         blocks: 3,
@@ -63,7 +63,7 @@ impl Contract {
         warmup: 64,
     };
 
-    /// Whether this is the full contract of DESIGN.md §3.3.
+    /// Whether this is the full contract of docs/architecture.md §6.
     pub fn is_full(&self) -> bool {
         *self == Self::FULL
     }

@@ -141,7 +141,7 @@ pub fn fixture_dir(name: &str) -> std::path::PathBuf {
         .join(name)
 }
 
-/// The tensors of a fixture's `golden.safetensors` (DESIGN.md §4 format), on the CPU.
+/// The tensors of a fixture's `golden.safetensors` (docs/architecture.md §7 format), on the CPU.
 pub fn load_golden(name: &str) -> std::collections::HashMap<String, Tensor> {
     candle::safetensors::load(fixture_dir(name).join("golden.safetensors"), &Device::Cpu).unwrap()
 }

@@ -1,4 +1,4 @@
-//! A plain generation loop over [`MoeForCausalLm`] with the timings of DESIGN.md §3.3.
+//! A plain generation loop over [`MoeForCausalLm`] with the timings of docs/architecture.md §6.
 //!
 //! The prompt goes through the model in chunks of at most [`PREFILL_CHUNK`] tokens (prefill, so
 //! the activations of a long prompt stay bounded, as [`crate::plan`] assumes), then one token per
@@ -73,8 +73,8 @@ impl Generation {
         self.prompt_tokens as f64 / self.time_to_first_token.as_secs_f64()
     }
 
-    /// Decode rate as DESIGN.md §3.3 defines it: (generated − 1) / decode time after the first
-    /// token; `None` with fewer than two generated tokens.
+    /// Decode rate as docs/architecture.md §6 defines it: (generated − 1) / decode time after
+    /// the first token; `None` with fewer than two generated tokens.
     pub fn decode_tokens_per_s(&self) -> Option<f64> {
         let n = self.tokens.len().checked_sub(1).filter(|&n| n > 0)?;
         Some(n as f64 / self.decode_time.as_secs_f64())

@@ -1,5 +1,5 @@
-//! Fidelity of a model against a golden file (DESIGN.md §3.4, fixture format of §4), shared by
-//! the tests and the `parity` example.
+//! Fidelity of a model against a golden file (docs/architecture.md §7, with the fixture
+//! format), shared by the tests and the `parity` example.
 //!
 //! A golden file is a safetensors file with, per prompt `N`: `promptN.input_ids` (i64 `[len]`),
 //! `promptN.logits` (f32 `[len, vocab]`, full forward), `promptN.greedy_ids` (i64 `[steps]`,

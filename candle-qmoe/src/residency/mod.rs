@@ -1,5 +1,6 @@
-//! Residency-managed expert storage (DESIGN.md §3.2): the full INT4 pack stays immutable in host
-//! memory while each MoE layer keeps a bounded cache of experts in device memory.
+//! Residency-managed expert storage (docs/architecture.md §4): the full INT4 pack stays
+//! immutable in host memory while each MoE layer keeps a bounded cache of experts in device
+//! memory.
 //!
 //! * [`device`] — the device-memory abstraction [`MemoryBackend`] and [`HostMemory`], an
 //!   implementation in ordinary memory that runs the same protocol, so all of it runs on a CPU.

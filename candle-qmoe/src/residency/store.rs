@@ -72,8 +72,8 @@ impl<B: MemoryBackend> StagingRing<B> {
     }
 }
 
-/// One layer's expert cache (DESIGN.md §3.2): the immutable host source, `capacity` device slots,
-/// the published expert → slot table, and the counters.
+/// One layer's expert cache (docs/architecture.md §4): the immutable host source, `capacity`
+/// device slots, the published expert → slot table, and the counters.
 ///
 /// [`ExpertStore::ensure`] makes a set of experts resident: each miss is staged through the
 /// shared ring and copied into a free slot or a victim's slot that no kernel of this step reads,
