@@ -5,24 +5,23 @@
 //! host buffers, copies them on a stream of its own, and orders everything with CUDA events: a
 //! copy into a slot waits for the event recorded after the kernels that last read it
 //! (retirement); the compute stream waits for a step's copies and then receives the new slot
-//! table (publication), so kernels never see a half-copied expert. [`CudaResidentExperts`] runs
-//! the W4A16 CUDA kernels through such a store.
+//! table (publication), so kernels never see a half-copied expert. Its [`ExpertCompute`] runs the
+//! W4A16 CUDA kernels over the slots: [`CudaResidentExperts`].
 //!
 //! Teardown: the copies read pinned staging buffers and write arena slots asynchronously, so an
 //! arena, a staging buffer and the backend each synchronise the copy stream before they are
 //! freed, whichever of them goes first.
 
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, OnceLock};
 
 use candle::cuda_backend::cudarc::driver::{CudaEvent, CudaStream, PinnedHostSlice};
 use candle::cuda_backend::{CudaDevice, WrapErr};
 use candle::{DType, Tensor};
 
+use super::compute::{ExpertCompute, Split};
 use super::device::{host_copy_bytes_per_s, MemoryBackend, Reservation, Usage};
-use super::experts::{CostModel, HybridMode, ResidentLayer};
-use super::stats::ResidencyStats;
+use super::experts::{CostModel, ResidentExperts};
 use super::store::ExpertStore;
-use crate::experts::check_call;
 use crate::kernels::cuda::{kernel_inputs, CudaPath, DeviceExperts};
 use crate::kernels::{cpu, RoutePlan};
 use crate::pack::ExpertLayout;
@@ -179,11 +178,12 @@ impl MemoryBackend for CudaMemory {
     fn alloc_staging(&self, bytes: usize) -> candle::Result<CudaStaging> {
         let ctx = self.device.cuda_stream().context().clone();
         // SAFETY: staging bytes are written by the host before any copy reads them.
-        let pinned = unsafe { ctx.alloc_pinned::<u8>(bytes) }.map_err(|e| QmoeError::OutOfMemory {
-            what: "a pinned staging buffer".into(),
-            needed: bytes,
-            reason: e.to_string(),
-        })?;
+        let pinned =
+            unsafe { ctx.alloc_pinned::<u8>(bytes) }.map_err(|e| QmoeError::OutOfMemory {
+                what: "a pinned staging buffer".into(),
+                needed: bytes,
+                reason: e.to_string(),
+            })?;
         Ok(CudaStaging {
             pinned,
             copy: self.copy.clone(),
@@ -262,176 +262,112 @@ impl MemoryBackend for CudaMemory {
     }
 }
 
-/// Routed experts of one layer served through a bounded expert cache in GPU memory and
-/// computed by the CUDA W4A16 kernels.
-///
-/// A call reads the routing back to the host (the copies depend on it), makes the routed
-/// experts resident and publishes the slot table, then launches the kernels. When a call needs
-/// more experts than the cache holds, it runs in chunks of consecutive tokens whose experts fit,
-/// all with the kernel path the whole call would use, so every token's output is the same as at
-/// full residency. Misses sent to the CPU (`--hybrid`) are computed there from the host source
-/// and added to the GPU's result (a different summation order than the GPU's own).
-pub struct CudaResidentExperts {
-    store: Mutex<ExpertStore<CudaMemory>>,
-    hybrid: HybridMode,
-    isa: cpu::CpuIsa,
-    hidden: usize,
-    num_experts: usize,
-}
+/// Routed experts of one layer served through a bounded expert cache in GPU memory and computed
+/// by the CUDA W4A16 kernels.
+pub type CudaResidentExperts = ResidentExperts<CudaMemory>;
 
-impl CudaResidentExperts {
-    /// Wraps a store; `hybrid` decides what happens to misses.
-    pub fn new(store: ExpertStore<CudaMemory>, hybrid: HybridMode) -> Self {
-        Self {
-            hidden: store.layout().hidden,
-            num_experts: store.num_experts(),
-            store: Mutex::new(store),
-            hybrid,
-            isa: cpu::CpuIsa::detect(),
+impl ExpertCompute for CudaMemory {
+    /// The kernels write whole outputs, so a call that needs more experts than the cache holds
+    /// runs in chunks of consecutive tokens whose experts fit, all with the kernel path the
+    /// whole call would use: every token's output is the same as at full residency.
+    const SPLIT: Split = Split::Tokens;
+
+    fn cost_model(&self) -> CostModel {
+        CostModel {
+            link: self.link_bytes_per_s(),
+            cpu: host_copy_bytes_per_s(),
+            device: self.device_bytes_per_s(),
         }
     }
 
-    /// The store (locked).
-    pub fn store(&self) -> MutexGuard<'_, ExpertStore<CudaMemory>> {
-        self.store.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The experts of `plan` marked in `on_cpu`, computed by the CPU kernel from the host
-    /// source: `[T, H]` on `x`'s device in `x`'s dtype.
-    fn cpu_part(
-        &self,
-        store: &ExpertStore<CudaMemory>,
-        plan: &RoutePlan,
-        on_cpu: &[bool],
-        x: &Tensor,
-        w: &Tensor,
-    ) -> candle::Result<Tensor> {
-        let sub = RoutePlan {
-            top_k: plan.top_k,
-            tokens: plan.tokens,
-            groups: plan
-                .groups
-                .iter()
-                .filter(|(e, _)| on_cpu[*e])
-                .cloned()
-                .collect(),
-        };
-        let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let ws = w.flatten_all()?.to_vec1::<f32>()?;
-        let source = store.source();
-        let y = cpu::routed_forward(
-            self.isa,
-            store.layout(),
-            &|e| source.slab(e).bytes,
-            &sub,
-            &xs,
-            &ws,
-        );
-        Tensor::from_vec(y, (plan.tokens, self.hidden), x.device())?.to_dtype(x.dtype())
-    }
-}
-
-impl RoutedExperts for CudaResidentExperts {
-    fn num_experts(&self) -> usize {
-        self.num_experts
-    }
-    fn hidden_size(&self) -> usize {
-        self.hidden
-    }
-    fn forward(
-        &self,
+    /// Reads the routing back to the host (the copies depend on it), then serves the step.
+    /// Misses sent to the CPU (`--hybrid`) become out-of-range ids, which the kernels skip; they
+    /// are computed from the host source and added to the GPU's result (a different summation
+    /// order than the GPU's own).
+    fn forward_resident(
+        experts: &CudaResidentExperts,
         xs: &Tensor,
         expert_ids: &Tensor,
         weights: &Tensor,
     ) -> candle::Result<Tensor> {
-        let (t, k) = check_call(xs, expert_ids, weights, self.hidden)?;
         let (x, ids, w) = kernel_inputs(xs, expert_ids, weights)?;
+        let (t, k) = ids.dims2()?;
+        let num_experts = experts.num_experts();
         let ids_host = ids.flatten_all()?.to_vec1::<u32>()?;
-        let plan = RoutePlan::new(&ids_host, k, self.num_experts)?;
-        let routed: Vec<usize> = plan.experts().collect();
-        let mut store = self.store();
-        // Bandwidths are measured once per backend, on the first `Auto` decision.
-        let misses_on_cpu = self.hybrid.misses_on_cpu(|| CostModel {
-            link: store.backend().link_bytes_per_s(),
-            cpu: host_copy_bytes_per_s(),
-            device: store.backend().device_bytes_per_s(),
-        });
-        let on_cpu = store.begin_step(&routed, misses_on_cpu);
-        let any_cpu = on_cpu.iter().any(|&c| c);
-        // Experts computed on the CPU become out-of-range ids, which the kernels skip.
-        let gpu_ids: Vec<u32> = ids_host
-            .iter()
-            .map(|&e| match on_cpu[e as usize] {
-                true => self.num_experts as u32,
-                false => e,
-            })
-            .collect();
-        let path = match store.arena().experts().decode_fits(t, x.dtype()) {
-            true => CudaPath::Decode,
-            false => CudaPath::Prefill,
-        };
-        let capacity = store.capacity();
+        let plan = RoutePlan::new(&ids_host, k, num_experts)?;
         let mut outs = Vec::new();
-        let mut start = 0;
-        while start < t {
-            let mut wanted = vec![false; self.num_experts];
-            let (mut count, mut end) = (0, start);
-            while end < t {
-                let row = &gpu_ids[end * k..(end + 1) * k];
-                let new = row
-                    .iter()
-                    .filter(|&&e| (e as usize) < self.num_experts && !wanted[e as usize])
-                    .count();
-                if count + new > capacity {
-                    break;
-                }
-                for &e in row.iter().filter(|&&e| (e as usize) < self.num_experts) {
-                    wanted[e as usize] = true;
-                }
-                count += new;
-                end += 1;
-            }
-            let experts: Vec<usize> = (0..self.num_experts).filter(|&e| wanted[e]).collect();
-            store.ensure(&experts)?;
-            let n = end - start;
+        let (store, on_cpu) = experts.serve(&plan, |store, piece, on_cpu| {
+            let arena = store.arena().experts();
+            let path = match arena.decode_fits(t, x.dtype()) {
+                true => CudaPath::Decode,
+                false => CudaPath::Prefill,
+            };
+            let (start, n) = (piece.tokens.start, piece.tokens.len());
+            let any_cpu = on_cpu.iter().any(|&c| c);
             let chunk_ids = match (any_cpu, n == t) {
                 (false, true) => ids.clone(),
-                _ => Tensor::from_slice(&gpu_ids[start * k..end * k], (n, k), x.device())?,
+                _ => {
+                    let gpu_ids: Vec<u32> = ids_host[start * k..piece.tokens.end * k]
+                        .iter()
+                        .map(|&e| match on_cpu[e as usize] {
+                            true => num_experts as u32,
+                            false => e,
+                        })
+                        .collect();
+                    Tensor::from_vec(gpu_ids, (n, k), x.device())?
+                }
             };
-            let y = store.arena().experts().forward_tensors(
+            outs.push(arena.forward_tensors(
                 &x.narrow(0, start, n)?,
                 &chunk_ids,
                 &w.narrow(0, start, n)?,
                 path,
                 false,
-            )?;
-            store.retire(&experts)?;
-            outs.push(y);
-            start = end;
-        }
+            )?);
+            Ok(())
+        })?;
         let mut out = match outs.len() {
             0 => x.zeros_like()?,
             1 => outs.remove(0),
             _ => Tensor::cat(&outs, 0)?,
         };
-        if any_cpu {
-            out = (out + self.cpu_part(&store, &plan, &on_cpu, &x, &w)?)?;
+        if on_cpu.iter().any(|&c| c) {
+            out = (out + cpu_part(experts.isa(), &store, &plan, &on_cpu, &x, &w)?)?;
         }
         out.to_dtype(xs.dtype())
     }
-    fn prefetch(&self, expert_ids: &[u32]) -> candle::Result<()> {
-        self.store().prefetch(expert_ids)
-    }
-    fn supports_prefetch(&self) -> bool {
-        true
-    }
 }
 
-impl ResidentLayer for CudaResidentExperts {
-    fn stats(&self) -> ResidencyStats {
-        self.store().stats().clone()
-    }
-    fn capacity(&self) -> usize {
-        self.store().capacity()
-    }
+/// The experts of `plan` marked in `on_cpu`, computed by the CPU kernel from the host source:
+/// `[T, H]` on `x`'s device in `x`'s dtype.
+fn cpu_part(
+    isa: cpu::CpuIsa,
+    store: &ExpertStore<CudaMemory>,
+    plan: &RoutePlan,
+    on_cpu: &[bool],
+    x: &Tensor,
+    w: &Tensor,
+) -> candle::Result<Tensor> {
+    let sub = RoutePlan {
+        top_k: plan.top_k,
+        tokens: plan.tokens,
+        groups: plan
+            .groups
+            .iter()
+            .filter(|(e, _)| on_cpu[*e])
+            .cloned()
+            .collect(),
+    };
+    let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let ws = w.flatten_all()?.to_vec1::<f32>()?;
+    let source = store.source();
+    let y = cpu::routed_forward(
+        isa,
+        store.layout(),
+        &|e| source.slab(e).bytes,
+        &sub,
+        &xs,
+        &ws,
+    );
+    Tensor::from_vec(y, (plan.tokens, store.layout().hidden), x.device())?.to_dtype(x.dtype())
 }

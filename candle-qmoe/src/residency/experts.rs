@@ -4,13 +4,14 @@
 use std::str::FromStr;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use candle::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
+use candle::Tensor;
 
+use super::compute::{ExpertCompute, Piece};
 use super::device::{HostMemory, MemoryBackend};
 use super::stats::ResidencyStats;
 use super::store::{ExpertStore, StagingRing};
 use super::ResidencyOptions;
-use crate::experts::{apply_cpu_op, check_call, routed_inputs};
+use crate::experts::check_call;
 use crate::kernels::{cpu, RoutePlan};
 use crate::pack::LayerPack;
 use crate::{QmoeError, RoutedExperts};
@@ -77,23 +78,24 @@ impl CostModel {
     }
 }
 
-/// Routed experts of one layer served through a bounded expert cache in host memory (the
-/// [`HostMemory`] backend), computed by the CPU W4A16 kernel reading the cache's slots.
+/// Routed experts of one layer served through a bounded expert cache in the memory of backend
+/// `B` (by default [`HostMemory`], computed by the CPU W4A16 kernel reading the cache's slots;
+/// `cuda::CudaResidentExperts` runs the CUDA kernels over GPU slots).
 ///
 /// A call groups its routed rows by expert. Experts the cost model sends to the CPU are read
 /// from the host source; the others are made resident and read from their slots. When a call
-/// needs more experts than the cache holds (a long prefill), it runs in rounds of ascending
-/// experts that each fit, and the kernel continues each output sum where the previous round
-/// stopped — so the result is bit-identical whatever the capacity, policy or hybrid choice.
-pub struct ResidentExperts {
-    store: Mutex<ExpertStore<HostMemory>>,
+/// needs more experts than the cache holds (a long prefill), it runs in pieces that each fit
+/// ([`ExpertCompute::SPLIT`]), so the result is bit-identical whatever the capacity or policy.
+pub struct ResidentExperts<B: ExpertCompute = HostMemory> {
+    store: Mutex<ExpertStore<B>>,
+    /// The CPU kernel's instruction set (host slots, and misses computed from the host source).
     isa: cpu::CpuIsa,
     hybrid: HybridMode,
     hidden: usize,
     num_experts: usize,
 }
 
-impl std::fmt::Debug for ResidentExperts {
+impl<B: ExpertCompute> std::fmt::Debug for ResidentExperts<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ResidentExperts")
             .field("store", &*self.store())
@@ -102,9 +104,9 @@ impl std::fmt::Debug for ResidentExperts {
     }
 }
 
-impl ResidentExperts {
+impl<B: ExpertCompute> ResidentExperts<B> {
     /// Wraps a store; `hybrid` decides what happens to misses.
-    pub fn new(store: ExpertStore<HostMemory>, hybrid: HybridMode) -> Self {
+    pub fn new(store: ExpertStore<B>, hybrid: HybridMode) -> Self {
         Self {
             hidden: store.layout().hidden,
             num_experts: store.num_experts(),
@@ -115,7 +117,7 @@ impl ResidentExperts {
     }
 
     /// The store (locked).
-    pub fn store(&self) -> MutexGuard<'_, ExpertStore<HostMemory>> {
+    pub fn store(&self) -> MutexGuard<'_, ExpertStore<B>> {
         self.store.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -123,9 +125,36 @@ impl ResidentExperts {
     pub fn stats(&self) -> ResidencyStats {
         self.store().stats().clone()
     }
+
+    /// The CPU kernel's instruction set on this machine.
+    pub fn isa(&self) -> cpu::CpuIsa {
+        self.isa
+    }
+
+    /// Serves one step routed by `plan`: decides whether misses are computed from the host
+    /// source, starts the step, and for each [`Piece`] of the backend's split makes its cached
+    /// experts resident, runs `compute(store, piece, on_cpu)` and retires them. Returns the
+    /// store, still locked, and which experts are computed from the host source.
+    pub fn serve(
+        &self,
+        plan: &RoutePlan,
+        mut compute: impl FnMut(&ExpertStore<B>, &Piece, &[bool]) -> candle::Result<()>,
+    ) -> candle::Result<(MutexGuard<'_, ExpertStore<B>>, Vec<bool>)> {
+        let routed: Vec<usize> = plan.experts().collect();
+        let mut store = self.store();
+        // Bandwidths are measured once per backend, on the first `Auto` decision.
+        let misses_on_cpu = self.hybrid.misses_on_cpu(|| store.backend().cost_model());
+        let on_cpu = store.begin_step(&routed, misses_on_cpu);
+        for piece in B::SPLIT.pieces(plan, &on_cpu, store.capacity()) {
+            store.ensure(&piece.cached)?;
+            compute(&store, &piece, &on_cpu)?;
+            store.retire(&piece.cached)?;
+        }
+        Ok((store, on_cpu))
+    }
 }
 
-impl RoutedExperts for ResidentExperts {
+impl<B: ExpertCompute> RoutedExperts for ResidentExperts<B> {
     fn num_experts(&self) -> usize {
         self.num_experts
     }
@@ -139,82 +168,13 @@ impl RoutedExperts for ResidentExperts {
         weights: &Tensor,
     ) -> candle::Result<Tensor> {
         check_call(xs, expert_ids, weights, self.hidden)?;
-        if !xs.device().is_cpu() {
-            return Err(QmoeError::UnsupportedDevice {
-                backend: "host-memory resident experts".into(),
-                device: format!("{:?}", xs.device()),
-            }
-            .into());
-        }
-        apply_cpu_op(self, xs, expert_ids, weights)
+        B::forward_resident(self, xs, expert_ids, weights)
     }
     fn prefetch(&self, expert_ids: &[u32]) -> candle::Result<()> {
         self.store().prefetch(expert_ids)
     }
     fn supports_prefetch(&self) -> bool {
         true
-    }
-}
-
-impl CustomOp3 for ResidentExperts {
-    fn name(&self) -> &'static str {
-        "qmoe-resident-int4-routed-experts"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle::Result<(CpuStorage, Shape)> {
-        let (xs, w, plan) = routed_inputs((s1, l1), (s2, l2), (s3, l3), self.num_experts)?;
-        let mut store = self.store();
-        let routed: Vec<usize> = plan.experts().collect();
-        // The device is the CPU itself: copying a miss only adds work.
-        let misses_on_cpu = self.hybrid.misses_on_cpu(|| {
-            let link = store.backend().link_bytes_per_s();
-            CostModel {
-                link,
-                cpu: link,
-                device: link,
-            }
-        });
-        let on_cpu = store.begin_step(&routed, misses_on_cpu);
-        // Rounds of ascending experts with at most `capacity` of them from the cache.
-        let mut out = vec![0f32; xs.len()];
-        let mut round: Vec<(usize, Vec<usize>)> = Vec::new();
-        let mut cached = Vec::new();
-        let end = (usize::MAX, Vec::new());
-        for group in plan.groups.iter().chain(std::iter::once(&end)) {
-            let last = group.0 == usize::MAX;
-            let joins_cache = !last && !on_cpu[group.0];
-            if last || (joins_cache && cached.len() == store.capacity()) {
-                store.ensure(&cached)?;
-                let sub = RoutePlan {
-                    top_k: plan.top_k,
-                    tokens: plan.tokens,
-                    groups: std::mem::take(&mut round),
-                };
-                let (arena, source) = (store.arena(), store.source());
-                let slab_of = |e: usize| match on_cpu[e] {
-                    true => source.slab(e).bytes,
-                    false => arena.slot(arena.table()[e] as usize),
-                };
-                cpu::routed_forward_into(self.isa, store.layout(), &slab_of, &sub, xs, w, &mut out);
-                store.retire(&cached)?;
-                cached.clear();
-            }
-            if !last {
-                if joins_cache {
-                    cached.push(group.0);
-                }
-                round.push(group.clone());
-            }
-        }
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
 
@@ -226,7 +186,7 @@ pub trait ResidentLayer: RoutedExperts {
     fn capacity(&self) -> usize;
 }
 
-impl ResidentLayer for ResidentExperts {
+impl<B: ExpertCompute> ResidentLayer for ResidentExperts<B> {
     fn stats(&self) -> ResidencyStats {
         ResidentExperts::stats(self)
     }
@@ -314,10 +274,7 @@ impl Residency {
         top_k: usize,
         source: LayerPack,
     ) -> candle::Result<Arc<ResidentExperts>> {
-        let store = self.admit(&self.host, &self.host_ring, layer, top_k, source)?;
-        let experts = Arc::new(ResidentExperts::new(store, self.options.hybrid));
-        self.register(layer, experts.clone());
-        Ok(experts)
+        self.build(&self.host, &self.host_ring, layer, top_k, source)
     }
 
     /// [`Residency::layer`] on a CUDA device, computed by the CUDA kernels.
@@ -342,11 +299,20 @@ impl Residency {
                     .clone(),
             }
         };
-        let store = self.admit(&memory, &self.cuda_ring, layer, top_k, source)?;
-        let experts = Arc::new(super::cuda::CudaResidentExperts::new(
-            store,
-            self.options.hybrid,
-        ));
+        self.build(&memory, &self.cuda_ring, layer, top_k, source)
+    }
+
+    /// Admits one layer's store on `backend` and registers its resident experts.
+    fn build<B: ExpertCompute>(
+        &self,
+        backend: &Arc<B>,
+        ring: &RingSlot<B>,
+        layer: usize,
+        top_k: usize,
+        source: LayerPack,
+    ) -> candle::Result<Arc<ResidentExperts<B>>> {
+        let store = self.admit(backend, ring, layer, top_k, source)?;
+        let experts = Arc::new(ResidentExperts::new(store, self.options.hybrid));
         self.register(layer, experts.clone());
         Ok(experts)
     }

@@ -7,10 +7,12 @@
 //! * [`store`] — [`ExpertStore`]: one layer's slots, staging, publication and retirement.
 //! * [`policy`] — LRU (default), LFU and LFRU eviction.
 //! * [`stats`] — hits, misses, evictions, bytes copied, prefetches, stall time.
-//! * [`ResidentExperts`] — a [`crate::RoutedExperts`] backend computing through a host-memory
-//!   store with the CPU kernel, with optional prefetch and hybrid CPU compute; `cuda` (feature
-//!   `cuda`) holds the CUDA backend and its experts; [`Residency`] builds one per layer on the
-//!   model's device and sums their counters.
+//! * [`ResidentExperts`] — a [`crate::RoutedExperts`] backend computing through a store on any
+//!   backend, with optional prefetch and hybrid CPU compute; [`Residency`] builds one per layer
+//!   on the model's device and sums their counters.
+//! * [`ExpertCompute`] — what differs between backends: how a step's experts are computed from
+//!   the slots (`host`: the CPU kernel over [`HostMemory`]; `cuda`, feature `cuda`: the CUDA
+//!   backend and its kernels), and the [`Split`] of a step too large for the cache.
 //!
 //! ```
 //! use candle_qmoe::residency::{Resident, ResidencyOptions};
@@ -30,16 +32,19 @@
 //! # Ok(()) }
 //! ```
 
+mod compute;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;
 mod experts;
+mod host;
 pub mod policy;
 pub mod stats;
 pub mod store;
 
 use std::str::FromStr;
 
+pub use compute::{ExpertCompute, Piece, Split};
 pub use device::{HostMemory, MemoryBackend};
 pub use experts::{CostModel, HybridMode, Residency, ResidentExperts, ResidentLayer};
 pub use policy::{EvictionPolicy, PolicyKind};
