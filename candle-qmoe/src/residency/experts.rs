@@ -302,7 +302,8 @@ impl Residency {
         self.build(&memory, &self.cuda_ring, layer, top_k, source)
     }
 
-    /// Admits one layer's store on `backend` and registers its resident experts.
+    /// Admits one layer's store on `backend` (creating the backend's staging ring with the first
+    /// layer) and registers its resident experts.
     fn build<B: ExpertCompute>(
         &self,
         backend: &Arc<B>,
@@ -311,21 +312,6 @@ impl Residency {
         top_k: usize,
         source: LayerPack,
     ) -> candle::Result<Arc<ResidentExperts<B>>> {
-        let store = self.admit(backend, ring, layer, top_k, source)?;
-        let experts = Arc::new(ResidentExperts::new(store, self.options.hybrid));
-        self.register(layer, experts.clone());
-        Ok(experts)
-    }
-
-    /// Admits one layer's store on `backend`, creating the backend's staging ring first.
-    fn admit<B: MemoryBackend>(
-        &self,
-        backend: &Arc<B>,
-        ring: &RingSlot<B>,
-        layer: usize,
-        top_k: usize,
-        source: LayerPack,
-    ) -> candle::Result<ExpertStore<B>> {
         let o = &self.options;
         let capacity = o.resident.capacity(layer, source.num_experts())?;
         let ring = {
@@ -339,15 +325,14 @@ impl Residency {
                 }
             }
         };
-        ExpertStore::new(backend.clone(), source, capacity, top_k, ring, o.policy)
-            .map_err(|e| e.context(format!("layer {layer}: cannot admit the expert cache")))
-    }
-
-    fn register(&self, layer: usize, experts: Arc<dyn ResidentLayer>) {
+        let store = ExpertStore::new(backend.clone(), source, capacity, top_k, ring, o.policy)
+            .map_err(|e| e.context(format!("layer {layer}: cannot admit the expert cache")))?;
+        let experts = Arc::new(ResidentExperts::new(store, o.hybrid));
         self.layers
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .push((layer, experts));
+            .push((layer, experts.clone()));
+        Ok(experts)
     }
 
     /// The layers built so far: `(decoder layer, experts)`.
