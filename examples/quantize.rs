@@ -91,21 +91,25 @@ fn main() -> Result<()> {
     let quantized = start.elapsed();
     pack.save(&args.out)?;
     drop(pack);
-    // Read it back: what `generate --pack` will see.
+    // Read it back, every slab checked against its checksum: what `generate --pack` will see.
     let pack = PackFile::open(&args.out)?;
+    let verify = Instant::now();
+    pack.verify()?;
+    let verified = verify.elapsed();
     let l = pack.meta().layout;
     let experts = pack.layer_indices().count() * pack.meta().num_experts;
     let bf16_bytes = (experts * 3 * l.hidden * l.intermediate * 2) as u64;
     let file_bytes = std::fs::metadata(&args.out)?.len();
     println!(
         "wrote {}: {} ({} of packed experts) for {} of BF16 experts ({:.2}×), \
-         quantized in {:.1} s, total {:.1} s",
+         quantized in {:.1} s, verified in {:.2} s, total {:.1} s",
         args.out.display(),
         format_bytes(file_bytes),
         format_bytes(pack.total_bytes() as u64),
         format_bytes(bf16_bytes),
         bf16_bytes as f64 / file_bytes as f64,
         quantized.as_secs_f64(),
+        verified.as_secs_f64(),
         start.elapsed().as_secs_f64()
     );
     Ok(())

@@ -73,6 +73,10 @@ pub struct ModelArgs {
     /// quantizes in memory at every start.
     #[arg(long, conflicts_with = "synthetic")]
     pub pack: Option<PathBuf>,
+    /// Verify every expert slab of --pack against its checksum at load, instead of each slab
+    /// when it is first read.
+    #[arg(long, requires = "pack")]
+    pub verify: bool,
     /// How the routed experts are stored and computed.
     #[arg(long, value_enum, default_value = "int4")]
     pub experts: Experts,
@@ -498,6 +502,15 @@ fn int4_pack(args: &ModelArgs, ckpt: &crate::checkpoint::Checkpoint) -> Result<P
         crate::checkpoint::quantize_with_progress(&ckpt.dir, &opts)?.save(path)?;
     }
     let pack = PackFile::open(path)?;
+    if args.verify {
+        let start = std::time::Instant::now();
+        pack.verify()?;
+        println!(
+            "verified the {} of expert slabs in {:.2} s",
+            plan::format_bytes(pack.total_bytes() as u64),
+            start.elapsed().as_secs_f64()
+        );
+    }
     let m = pack.meta();
     if let Some(g) = args.group_size.filter(|&g| g != m.layout.group_size.get()) {
         bail!(

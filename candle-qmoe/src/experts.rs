@@ -292,6 +292,7 @@ impl Int4Experts {
         if let Some(d) = resident.iter().find(|d| d.device().id() == dev.id()) {
             return Ok(d.clone());
         }
+        self.pack.verify()?;
         let d = Arc::new(cuda::DeviceExperts::upload(&self.pack, dev)?);
         resident.push(d.clone());
         Ok(d)
@@ -377,6 +378,7 @@ impl CustomOp3 for Int4Experts {
         l3: &Layout,
     ) -> candle::Result<(CpuStorage, Shape)> {
         let (xs, w, plan) = routed_inputs((s1, l1), (s2, l2), (s3, l3), self.pack.num_experts())?;
+        self.pack.verify_experts(plan.experts())?;
         let out = cpu::routed_forward(
             self.isa,
             self.pack.layout(),

@@ -5,7 +5,8 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use candle::{DType, Device};
+use candle::{DType, Device, Shape, Tensor};
+use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 
 use super::config::ModelConfig;
@@ -71,7 +72,9 @@ pub fn checkpoint_files(dir: impl AsRef<Path>) -> crate::Result<Vec<PathBuf>> {
 }
 
 /// A VarBuilder over the memory-mapped checkpoint in `dir` (see [`checkpoint_files`]) that
-/// converts tensors to `dtype` on `device` as they are read.
+/// converts tensors to `dtype` on `device` as they are read. A damaged safetensors header is an
+/// error naming its file; a tensor missing or of another shape or dtype than the model expects
+/// is a [`QmoeError::InvalidCheckpoint`] naming the checkpoint folder.
 ///
 /// # Safety
 /// The files are memory-mapped: they must not be modified while the VarBuilder or tensors
@@ -82,8 +85,64 @@ pub unsafe fn mmap_checkpoint(
     dtype: DType,
     device: &Device,
 ) -> crate::Result<VarBuilder<'static>> {
+    let dir = dir.as_ref();
     let files = checkpoint_files(dir)?;
-    Ok(VarBuilder::from_mmaped_safetensors(&files, dtype, device)?)
+    let tensors = candle::safetensors::MmapedSafetensors::multi(&files)?;
+    let named = NamedCheckpoint {
+        tensors,
+        dir: dir.to_path_buf(),
+    };
+    Ok(VarBuilder::from_backend(
+        Box::new(named),
+        dtype,
+        device.clone(),
+    ))
+}
+
+/// A checkpoint's tensors whose read errors name the checkpoint folder.
+struct NamedCheckpoint {
+    tensors: candle::safetensors::MmapedSafetensors,
+    dir: PathBuf,
+}
+
+impl NamedCheckpoint {
+    fn named<T>(&self, read: candle::Result<T>) -> candle::Result<T> {
+        read.map_err(|e| {
+            QmoeError::InvalidCheckpoint {
+                dir: self.dir.clone(),
+                reason: e.to_string(),
+            }
+            .into()
+        })
+    }
+}
+
+impl SimpleBackend for NamedCheckpoint {
+    fn get(
+        &self,
+        shape: Shape,
+        name: &str,
+        init: candle_nn::Init,
+        dtype: DType,
+        device: &Device,
+    ) -> candle::Result<Tensor> {
+        self.named(SimpleBackend::get(
+            &self.tensors,
+            shape,
+            name,
+            init,
+            dtype,
+            device,
+        ))
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, device: &Device) -> candle::Result<Tensor> {
+        self.named(self.tensors.get_unchecked(name, dtype, device))
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.tensors.contains_tensor(name)
+    }
 }
 
 /// The name of the router weight of decoder layer `layer`.
@@ -97,15 +156,8 @@ pub fn router_weight_name(layer: usize) -> String {
 pub fn fingerprint(dir: impl AsRef<Path>) -> crate::Result<String> {
     let dir = dir.as_ref();
     let config_path = dir.join("config.json");
-    let config = std::fs::read(&config_path).map_err(|source| QmoeError::Io {
-        path: config_path.clone(),
-        source,
-    })?;
-    let text = std::str::from_utf8(&config).map_err(|e| QmoeError::InvalidFile {
-        file: format!("`{}`", config_path.display()),
-        reason: format!("not UTF-8: {e}"),
-    })?;
-    let spec = AnyConfig::from_json_str(text)?.spec()?;
+    let config = super::read_config_text(&config_path)?;
+    let spec = AnyConfig::from_json_str(&config)?.spec()?;
     let files = checkpoint_files(dir)?;
     // SAFETY: read-only maps, dropped before returning; the same contract as `mmap_checkpoint`.
     let st = unsafe { candle::safetensors::MmapedSafetensors::multi(&files)? };
@@ -121,7 +173,7 @@ pub fn fingerprint(dir: impl AsRef<Path>) -> crate::Result<String> {
         })
         .collect::<crate::Result<Vec<_>>>()?;
     Ok(checkpoint_fingerprint(
-        &config,
+        config.as_bytes(),
         routers.iter().map(|v| v.data()),
     ))
 }

@@ -84,6 +84,28 @@ pub struct ModelSpec {
     pub layers: Vec<FfnSpec>,
 }
 
+/// Most decoder layers a config may declare (released MoE models have fewer than 100): the
+/// per-layer specs are built before any weight is read, so a damaged `num_hidden_layers` must not
+/// size an allocation.
+pub const MAX_LAYERS: usize = 1 << 12;
+
+/// Most elements of each rotary table (`max_position_embeddings × head_dim / 2`, F32), built in
+/// full when the model is created: 2³¹, i.e. 8 GiB, beyond the 1M-token contexts of released
+/// models with 128-wide heads.
+pub const MAX_ROTARY_ELEMENTS: usize = 1 << 31;
+
+/// Refuses more than [`MAX_LAYERS`] decoder layers.
+fn check_layer_count(layers: usize) -> crate::Result<()> {
+    if layers > MAX_LAYERS {
+        return Err(QmoeError::unsupported(
+            "num_hidden_layers",
+            layers,
+            format!("exceeds the supported {MAX_LAYERS}"),
+        ));
+    }
+    Ok(())
+}
+
 impl ModelSpec {
     /// Checks that the numbers are consistent; every problem is a
     /// [`QmoeError::UnsupportedConfig`].
@@ -100,6 +122,19 @@ impl ModelSpec {
             if v == 0 {
                 return Err(QmoeError::unsupported(name, v, "must be > 0"));
             }
+        }
+        check_layer_count(self.layers.len())?;
+        let rotary = self.max_position_embeddings.checked_mul(self.head_dim / 2);
+        if rotary.is_none_or(|n| n > MAX_ROTARY_ELEMENTS) {
+            return Err(QmoeError::unsupported(
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                format!(
+                    "× head_dim = {} needs rotary tables larger than the supported \
+                     {MAX_ROTARY_ELEMENTS} elements",
+                    self.head_dim
+                ),
+            ));
         }
         if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return Err(QmoeError::unsupported(
@@ -343,6 +378,8 @@ impl CommonConfig {
                 "is not supported (only silu)",
             ));
         }
+        // Checked before the per-layer specs are built.
+        check_layer_count(self.num_hidden_layers)?;
         let heads = self.num_attention_heads;
         let head_dim = match self.head_dim {
             Some(d) => d,

@@ -55,6 +55,41 @@ pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(
     })
 }
 
+/// The text of the `config.json` at `path`: a [`QmoeError::Io`] when it cannot be read, a
+/// [`QmoeError::InvalidFile`] naming it when it is not UTF-8.
+pub(crate) fn read_config_text(path: &Path) -> crate::Result<String> {
+    let bytes = std::fs::read(path).map_err(|source| QmoeError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    String::from_utf8(bytes).map_err(|e| QmoeError::InvalidFile {
+        file: format!("`{}`", path.display()),
+        reason: format!("not UTF-8: {}", e.utf8_error()),
+    })
+}
+
+/// `e`, raised by the `config.json` at `path`, naming the file: an [`QmoeError::InvalidFile`]
+/// gets the path as its file, an [`QmoeError::UnsupportedConfig`] the path after its reason;
+/// others are unchanged.
+fn naming_file(e: QmoeError, path: &Path) -> QmoeError {
+    match e {
+        QmoeError::InvalidFile { reason, .. } => QmoeError::InvalidFile {
+            file: format!("`{}`", path.display()),
+            reason,
+        },
+        QmoeError::UnsupportedConfig {
+            field,
+            value,
+            reason,
+        } => QmoeError::UnsupportedConfig {
+            field,
+            value,
+            reason: format!("{reason}, in `{}`", path.display()),
+        },
+        e => e,
+    }
+}
+
 /// A config of either supported family, chosen by `model_type` (or `architectures`).
 #[derive(Clone, Debug)]
 pub enum AnyConfig {
@@ -99,14 +134,13 @@ impl AnyConfig {
         }
     }
 
-    /// Reads and parses a `config.json` file.
+    /// Reads, parses and validates (see [`ModelConfig::spec`]) a `config.json` file; every
+    /// error names the file.
     pub fn from_file(path: impl AsRef<Path>) -> crate::Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| QmoeError::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        Self::from_json_str(&text)
+        let text = read_config_text(path)?;
+        let config = Self::from_json_str(&text).and_then(|c| c.spec().map(|_| c));
+        config.map_err(|e| naming_file(e, path))
     }
 
     /// The family's `model_type`.

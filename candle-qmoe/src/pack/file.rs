@@ -1,9 +1,13 @@
-//! The `.qmoe` file: a safetensors file holding one `U8 [experts, slab_bytes]` tensor per MoE
-//! layer (`layers.{i}.experts`) and a metadata header naming the format version, the slab
-//! layout, the group size and the source checkpoint (model id, revision, fingerprint).
+//! The `.qmoe` file: a safetensors file holding, per MoE layer `i`, one `U8 [experts, slab_bytes]`
+//! tensor (`layers.{i}.experts`) and the XXH3-64 checksum of every slab, `U64 [experts]`
+//! (`layers.{i}.checksums`, see [`super::integrity`]), with a metadata header naming the format
+//! version, the slab layout, the group size and the source checkpoint (model id, revision,
+//! fingerprint).
 //!
-//! Loading is memory-mapped; the header, every tensor's shape and the file size are validated,
-//! and [`PackFile::check_source`] refuses a pack made from another checkpoint.
+//! Loading is memory-mapped; the header, every tensor's shape and the file size are validated
+//! before anything is sized from them, slabs are verified against their checksums on first use
+//! (or all at once with [`PackFile::verify`]), and [`PackFile::check_source`] refuses a pack made
+//! from another checkpoint.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -11,13 +15,13 @@ use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
-use super::{ExpertLayout, GroupSize, LayerPack, ScaleSearch};
+use super::{ExpertLayout, GroupSize, LayerPack, ScaleSearch, SlabOrigin};
 use crate::QmoeError;
 
 /// Format marker stored under `format`.
 pub const FORMAT: &str = "candle-qmoe";
-/// Version of the file layout this build reads and writes.
-pub const FORMAT_VERSION: u32 = 1;
+/// Version of the file layout this build reads and writes (2: per-slab checksums).
+pub const FORMAT_VERSION: u32 = 2;
 
 /// What a `.qmoe` header records.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -62,10 +66,23 @@ fn tensor_name(layer: usize) -> String {
     format!("layers.{layer}.experts")
 }
 
+fn checksums_name(layer: usize) -> String {
+    format!("layers.{layer}.checksums")
+}
+
 fn bad(path: &Path, reason: impl std::fmt::Display) -> QmoeError {
     QmoeError::CorruptPack {
         path: path.to_path_buf(),
         reason: reason.to_string(),
+    }
+}
+
+/// A [`QmoeError::InvalidPack`] about the contents of the file at `path` as a
+/// [`QmoeError::CorruptPack`] naming it; other errors unchanged.
+fn in_file(path: &Path, e: QmoeError) -> QmoeError {
+    match e {
+        QmoeError::InvalidPack { reason } => bad(path, reason),
+        e => e,
     }
 }
 
@@ -147,16 +164,27 @@ impl PackFile {
         ] {
             info.insert(k.to_string(), v);
         }
-        let mut views = Vec::with_capacity(layers.len());
-        for (i, p) in layers {
+        let sums: Vec<Vec<u8>> = layers
+            .iter()
+            .map(|(_, p)| p.checksums().iter().flat_map(|c| c.to_le_bytes()).collect())
+            .collect();
+        let mut views = Vec::with_capacity(2 * layers.len());
+        for ((i, p), sums) in layers.iter().zip(&sums) {
             check_layer(meta, *i, p)?;
-            let view = safetensors::tensor::TensorView::new(
-                safetensors::Dtype::U8,
-                vec![p.num_experts(), l.slab_bytes()],
-                p.bytes(),
-            )
-            .map_err(candle::Error::from)?;
-            views.push((tensor_name(*i), view));
+            let view = |dtype, shape, data| {
+                safetensors::tensor::TensorView::new(dtype, shape, data)
+                    .map_err(candle::Error::from)
+            };
+            let slabs = vec![p.num_experts(), l.slab_bytes()];
+            views.push((
+                tensor_name(*i),
+                view(safetensors::Dtype::U8, slabs, p.bytes())?,
+            ));
+            let count = vec![p.num_experts()];
+            views.push((
+                checksums_name(*i),
+                view(safetensors::Dtype::U64, count, sums)?,
+            ));
         }
         safetensors::serialize_to_file(views, Some(info), path).map_err(|e| match e {
             safetensors::SafeTensorError::IoError(source) => QmoeError::Io {
@@ -200,6 +228,13 @@ impl PackFile {
             return Err(bad(path, "not a candle-qmoe pack"));
         }
         let version = num("format_version")?;
+        if version == 1 {
+            return Err(bad(
+                path,
+                "format version 1 has no expert checksums, which this build requires \
+                 (version 2); re-run quantize to re-create the pack",
+            ));
+        }
         if version != FORMAT_VERSION as usize {
             return Err(bad(
                 path,
@@ -224,45 +259,72 @@ impl PackFile {
             source_revision: get("source_revision")?,
             fingerprint: get("fingerprint")?,
         };
+        let is_hex = |f: &str| f.len() == 64 && f.bytes().all(|b| b.is_ascii_hexdigit());
+        if !is_hex(&meta.fingerprint) {
+            return Err(bad(
+                path,
+                "metadata `fingerprint` is not 64 hexadecimal digits",
+            ));
+        }
+        let slab_bytes = layout.checked_slab_bytes().map_err(|e| in_file(path, e))?;
         let indices: Vec<usize> = serde_json::from_str(&get("layers")?)
             .map_err(|_| bad(path, "metadata `layers` is not a list of layer indices"))?;
+        // `read_metadata` checked that the tensors tile the data section exactly up to the end
+        // of the file, each with as many bytes as its shape and dtype need (with checked
+        // arithmetic), so a range taken from a tensor whose shape is checked here lies inside
+        // the file.
         let data_start = 8 + n;
-        let mut layers = BTreeMap::new();
-        for i in indices {
-            let name = tensor_name(i);
+        let tensor = |name: &str, dtype, want: &[usize]| {
             let t = header
-                .info(&name)
+                .info(name)
                 .ok_or_else(|| bad(path, format!("missing tensor `{name}`")))?;
-            let want = [meta.num_experts, layout.slab_bytes()];
-            if t.dtype != safetensors::Dtype::U8 || t.shape != want {
+            if t.dtype != dtype || t.shape != want {
                 return Err(bad(
                     path,
                     format!(
-                        "tensor `{name}` is {:?} {:?}, expected U8 {want:?}",
+                        "tensor `{name}` is {:?} {:?}, expected {dtype:?} {want:?}",
                         t.dtype, t.shape
                     ),
                 ));
             }
-            let range = data_start + t.data_offsets.0..data_start + t.data_offsets.1;
-            if range.end > map.len() {
+            Ok(data_start + t.data_offsets.0..data_start + t.data_offsets.1)
+        };
+        let mut layers = BTreeMap::new();
+        for i in indices {
+            let experts = meta.num_experts;
+            let range = tensor(
+                &tensor_name(i),
+                safetensors::Dtype::U8,
+                &[experts, slab_bytes],
+            )?;
+            let sums = tensor(&checksums_name(i), safetensors::Dtype::U64, &[experts])?;
+            let sums = map[sums]
+                .chunks_exact(8)
+                .map(|b| u64::from_le_bytes(b.try_into().expect("chunks of 8 bytes")))
+                .collect();
+            let origin = SlabOrigin::File {
+                path: path.to_path_buf(),
+                layer: i,
+            };
+            let pack = LayerPack::from_mmap(layout, experts, map.clone(), range, sums, origin)
+                .map_err(|e| in_file(path, e))?;
+            if layers.insert(i, pack).is_some() {
                 return Err(bad(
                     path,
-                    format!(
-                        "truncated: `{name}` ends at byte {} of {}",
-                        range.end,
-                        map.len()
-                    ),
+                    format!("metadata `layers` lists layer {i} twice"),
                 ));
             }
-            let pack = LayerPack::from_mmap(layout, meta.num_experts, map.clone(), range).map_err(
-                |e| match e {
-                    QmoeError::InvalidPack { reason } => bad(path, reason),
-                    e => e,
-                },
-            )?;
-            layers.insert(i, pack);
+        }
+        if layers.is_empty() {
+            return Err(bad(path, "metadata `layers` lists no layer"));
         }
         Ok(Self { meta, layers })
+    }
+
+    /// Verifies every slab of every layer against its checksum now (slabs are otherwise verified
+    /// on first use); a corrupt slab is an error naming the file, the layer and the expert.
+    pub fn verify(&self) -> crate::Result<()> {
+        self.layers.values().try_for_each(LayerPack::verify)
     }
 
     /// The header.
@@ -409,12 +471,10 @@ mod tests {
         let bytes = std::fs::read(&path).unwrap();
         let cut = dir.join("cut.qmoe");
         std::fs::write(&cut, &bytes[..bytes.len() - 100]).unwrap();
-        assert!(PackFile::open(&cut)
-            .unwrap_err()
-            .to_string()
-            .contains("cut.qmoe"));
+        let e = PackFile::open(&cut).unwrap_err().to_string();
+        assert!(e.contains("cut.qmoe"), "{e}");
         corrupt(&cut);
-        let needle = b"\"format_version\":\"1\"";
+        let needle = b"\"format_version\":\"2\"";
         let at = bytes
             .windows(needle.len())
             .position(|w| w == needle)

@@ -22,6 +22,7 @@
 //! (rows `I..2I`), both `[·, H]`; `down` is `[H, I]`.
 
 use super::GroupSize;
+use crate::QmoeError;
 
 /// Rounds `x` up to a multiple of `m`.
 pub(crate) const fn round_up(x: usize, m: usize) -> usize {
@@ -129,6 +130,41 @@ impl ExpertLayout {
     pub fn slab_bytes(&self) -> usize {
         self.offsets().total
     }
+
+    /// Bytes of one expert slab, computed with checked arithmetic: an error when a dimension is
+    /// zero or a size overflows (e.g. dimensions read from a damaged pack header), so that no
+    /// size derived from this layout is trusted before it is known to be sane.
+    pub fn checked_slab_bytes(&self) -> crate::Result<usize> {
+        let (h, i) = (self.hidden, self.intermediate);
+        let matrix = |rows: usize, cols: usize| -> Option<(usize, usize)> {
+            let m = QMatrixLayout {
+                rows,
+                cols,
+                group_size: self.group_size,
+            };
+            let weights = rows.checked_mul(cols.checked_next_multiple_of(CHUNK_WEIGHTS)? / 2)?;
+            Some((weights, rows.checked_mul(m.groups())?.checked_mul(2)?))
+        };
+        let total = (|| {
+            let (gu_weights, gu_scales) = matrix(i.checked_mul(2)?, h)?;
+            let (dn_weights, dn_scales) = matrix(h, i)?;
+            [gu_weights, dn_weights, gu_scales, dn_scales]
+                .into_iter()
+                .try_fold(0usize, |end, region| {
+                    end.checked_add(region)?.checked_next_multiple_of(16)
+                })
+        })();
+        match total {
+            Some(total) if h > 0 && i > 0 => Ok(total),
+            _ => Err(QmoeError::InvalidPack {
+                reason: format!(
+                    "expert layout hidden {h} × intermediate {i} (group size {}) has no valid \
+                     slab size",
+                    self.group_size.get()
+                ),
+            }),
+        }
+    }
 }
 
 /// Byte index within a row and nibble half (0 = low) of column `col`.
@@ -190,5 +226,26 @@ mod tests {
         }
         assert!(o.down_weights >= l.gate_up().weight_bytes());
         assert!(o.total >= o.down_scales + 2 * l.down().scale_count());
+        assert_eq!(l.checked_slab_bytes().unwrap(), o.total);
+    }
+
+    #[test]
+    fn checked_slab_bytes_refuses_zero_and_overflowing_dimensions() {
+        let g = GroupSize::new(32).unwrap();
+        for (hidden, intermediate) in [(0, 64), (64, 0), (usize::MAX, 8), (8, usize::MAX / 2 + 1)] {
+            let l = ExpertLayout {
+                hidden,
+                intermediate,
+                group_size: g,
+            };
+            let e = l.checked_slab_bytes().unwrap_err().to_string();
+            assert!(e.contains(&format!("hidden {hidden} ")), "{e}");
+        }
+        let l = ExpertLayout {
+            hidden: 100,
+            intermediate: 33,
+            group_size: g,
+        };
+        assert_eq!(l.checked_slab_bytes().unwrap(), l.slab_bytes());
     }
 }

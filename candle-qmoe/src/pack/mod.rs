@@ -5,6 +5,7 @@
 //! for the exact bytes. [`LayerPack`] owns the slabs of one layer.
 
 pub mod file;
+pub mod integrity;
 pub mod layout;
 pub mod quant;
 
@@ -15,6 +16,8 @@ use half::f16;
 use rayon::prelude::*;
 
 pub use file::{PackFile, PackMeta};
+use integrity::SlabOrigin;
+pub use integrity::{slab_checksum, SlabChecks};
 pub use layout::{ExpertLayout, QMatrixLayout, SlabOffsets};
 pub use quant::{dequantize_matrix, quantize_matrix, QuantizedMatrix, ScaleSearch};
 
@@ -189,12 +192,16 @@ impl PackBytes {
     }
 }
 
-/// The packed routed experts of one MoE layer, held in host memory (owned or memory-mapped).
+/// The packed routed experts of one MoE layer, held in host memory (owned or memory-mapped),
+/// with a checksum per slab ([`integrity`]): slabs read from a file are verified on first use
+/// ([`LayerPack::verified_slab`], [`LayerPack::verify_experts`]) or all at once
+/// ([`LayerPack::verify`]).
 #[derive(Clone, Debug)]
 pub struct LayerPack {
     layout: ExpertLayout,
     num_experts: usize,
     bytes: PackBytes,
+    checks: Arc<SlabChecks>,
 }
 
 impl LayerPack {
@@ -241,51 +248,69 @@ impl LayerPack {
                 Ok(slab)
             })
             .collect::<crate::Result<Vec<_>>>()?;
-        Ok(Self {
-            layout,
-            num_experts,
-            bytes: PackBytes::Owned(slabs.concat().into()),
+        let bytes = PackBytes::Owned(slabs.concat().into());
+        Self::checked(layout, num_experts, bytes, |b| {
+            SlabChecks::computed(SlabOrigin::Memory(name.to_string()), layout, b)
         })
     }
 
-    /// Wraps already packed bytes (`num_experts` slabs back to back), checking their size.
+    /// Wraps already packed bytes (`num_experts` slabs back to back), checking their size and
+    /// that every scale is finite, and computing their checksums.
     pub fn from_bytes(
         layout: ExpertLayout,
         num_experts: usize,
         bytes: Arc<[u8]>,
     ) -> Result<Self, QmoeError> {
-        Self::checked(layout, num_experts, PackBytes::Owned(bytes))
+        Self::checked(layout, num_experts, PackBytes::Owned(bytes), |b| {
+            SlabChecks::computed(SlabOrigin::Memory("in-memory layer".into()), layout, b)
+        })
     }
 
-    /// A range of a memory-mapped file, checking its size.
+    /// A range of a memory-mapped file with the slab checksums the file records, checking its
+    /// size; `origin` names the file and the layer in errors. Slabs are verified on first use.
     pub(crate) fn from_mmap(
         layout: ExpertLayout,
         num_experts: usize,
         map: Arc<memmap2::Mmap>,
         range: std::ops::Range<usize>,
+        checksums: Vec<u64>,
+        origin: SlabOrigin,
     ) -> Result<Self, QmoeError> {
-        Self::checked(layout, num_experts, PackBytes::Mapped(map, range))
+        if checksums.len() != num_experts {
+            return Err(QmoeError::InvalidPack {
+                reason: format!(
+                    "{} slab checksums for {num_experts} experts",
+                    checksums.len()
+                ),
+            });
+        }
+        Self::checked(layout, num_experts, PackBytes::Mapped(map, range), |_| {
+            Ok(SlabChecks::recorded(origin, checksums))
+        })
     }
 
     fn checked(
         layout: ExpertLayout,
         num_experts: usize,
         bytes: PackBytes,
+        checks: impl FnOnce(&[u8]) -> Result<SlabChecks, QmoeError>,
     ) -> Result<Self, QmoeError> {
-        let want = num_experts * layout.slab_bytes();
+        let slab = layout.checked_slab_bytes()?;
+        let want = num_experts.checked_mul(slab);
         let got = bytes.as_slice().len();
-        if num_experts == 0 || got != want {
+        if num_experts == 0 || want != Some(got) {
             return Err(QmoeError::InvalidPack {
                 reason: format!(
-                    "layer holds {got} bytes, expected {num_experts} experts × {} = {want}",
-                    layout.slab_bytes()
+                    "layer holds {got} bytes, not {num_experts} experts × {slab} bytes"
                 ),
             });
         }
+        let checks = Arc::new(checks(bytes.as_slice())?);
         Ok(Self {
             layout,
             num_experts,
             bytes,
+            checks,
         })
     }
 
@@ -301,13 +326,50 @@ impl LayerPack {
     pub fn bytes(&self) -> &[u8] {
         self.bytes.as_slice()
     }
-    /// The slab of expert `e`.
+    /// The slab of expert `e`, as stored (not verified: see [`LayerPack::verified_slab`]).
     pub fn slab(&self, e: usize) -> SlabView<'_> {
         let n = self.layout.slab_bytes();
         SlabView {
             layout: self.layout,
             bytes: &self.bytes()[e * n..(e + 1) * n],
         }
+    }
+
+    /// The slab of expert `e`, verified against its checksum on first use (see [`integrity`]).
+    pub fn verified_slab(&self, e: usize) -> Result<SlabView<'_>, QmoeError> {
+        let view = self.slab(e);
+        self.checks.verify(e, self.layout, view.bytes)?;
+        Ok(view)
+    }
+
+    /// Verifies the slabs of `experts` that are not verified yet (in parallel); a corrupt slab
+    /// is an error naming the pack file, the layer and the expert.
+    pub fn verify_experts(
+        &self,
+        experts: impl IntoIterator<Item = usize>,
+    ) -> Result<(), QmoeError> {
+        let pending: Vec<usize> = experts
+            .into_iter()
+            .filter(|&e| !self.checks.is_verified(e))
+            .collect();
+        pending
+            .into_par_iter()
+            .try_for_each(|e| self.verified_slab(e).map(|_| ()))
+    }
+
+    /// Whether slab `e` has been verified (slabs made in this process always are).
+    pub fn is_verified(&self, e: usize) -> bool {
+        self.checks.is_verified(e)
+    }
+
+    /// Verifies every slab not verified yet.
+    pub fn verify(&self) -> Result<(), QmoeError> {
+        self.verify_experts(0..self.num_experts)
+    }
+
+    /// The checksum of every slab, in expert order, as written to a `.qmoe` file.
+    pub fn checksums(&self) -> &[u64] {
+        self.checks.checksums()
     }
 
     /// Every expert dequantized to dense `dtype` tensors on `device`: exactly the weights the
@@ -318,6 +380,7 @@ impl LayerPack {
         device: &candle::Device,
     ) -> candle::Result<Vec<DenseExpert>> {
         let (h, i) = (self.layout.hidden, self.layout.intermediate);
+        self.verify()?;
         (0..self.num_experts)
             .map(|e| {
                 let (gate, up, down) = self.slab(e).dequantize();

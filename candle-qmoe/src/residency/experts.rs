@@ -132,9 +132,10 @@ impl<B: ExpertCompute> ResidentExperts<B> {
     }
 
     /// Serves one step routed by `plan`: decides whether misses are computed from the host
-    /// source, starts the step, and for each [`Piece`] of the backend's split makes its cached
-    /// experts resident, runs `compute(store, piece, on_cpu)` and retires them. Returns the
-    /// store, still locked, and which experts are computed from the host source.
+    /// source (verifying those slabs against their checksums), starts the step, and for each
+    /// [`Piece`] of the backend's split makes its cached experts resident, runs
+    /// `compute(store, piece, on_cpu)` and retires them. Returns the store, still locked, and
+    /// which experts are computed from the host source.
     pub fn serve(
         &self,
         plan: &RoutePlan,
@@ -145,6 +146,10 @@ impl<B: ExpertCompute> ResidentExperts<B> {
         // Bandwidths are measured once per backend, on the first `Auto` decision.
         let misses_on_cpu = self.hybrid.misses_on_cpu(|| store.backend().cost_model());
         let on_cpu = store.begin_step(&routed, misses_on_cpu);
+        // Slabs read from the host source are verified here; copied ones as they are staged.
+        store
+            .source()
+            .verify_experts(routed.iter().copied().filter(|&e| on_cpu[e]))?;
         for piece in B::SPLIT.pieces(plan, &on_cpu, store.capacity()) {
             store.ensure(&piece.cached)?;
             compute(&store, &piece, &on_cpu)?;

@@ -392,11 +392,12 @@ impl<B: MemoryBackend> ExpertStore<B> {
         }
     }
 
-    /// Stages expert `e`'s slab and enqueues its copy into `slot`.
+    /// Stages expert `e`'s slab (verified against its checksum the first time it is read) and
+    /// enqueues its copy into `slot`.
     fn copy_expert(&mut self, e: usize, slot: usize) -> candle::Result<B::Event> {
+        let bytes = self.source.verified_slab(e)?.bytes;
         let (backend, arena) = (&self.backend, &mut self.arena);
         let after = self.readers[slot].take();
-        let bytes = self.source.slab(e).bytes;
         let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
         ring.stage(backend, bytes, |buf| {
             backend.copy_to_slot(buf, bytes.len(), arena, slot, after.as_ref())
