@@ -435,8 +435,8 @@ fn mutate_pack_contents(rng: &mut StdRng, valid: &[u8], layout: ExpertLayout) ->
             st.data[at..at + 2].copy_from_slice(&bits.to_le_bytes());
             let sum = slab_checksum(&st.data[slab.clone()]);
             let sums = st.range(&format!("layers.{layer}.checksums"));
-            let at = sums.start + 8 * e;
-            st.data[at..at + 8].copy_from_slice(&sum.to_le_bytes());
+            let at = sums.start + 4 * e;
+            st.data[at..at + 4].copy_from_slice(&sum.to_le_bytes());
             let mut m = Mutation::new(
                 format!("non-finite scale: {bits:#06x} layer {layer} expert {e}"),
                 st.to_bytes(),

@@ -1,5 +1,5 @@
 //! The `.qmoe` file: a safetensors file holding, per MoE layer `i`, one `U8 [experts, slab_bytes]`
-//! tensor (`layers.{i}.experts`) and the XXH3-64 checksum of every slab, `U64 [experts]`
+//! tensor (`layers.{i}.experts`) and the CRC-32 checksum of every slab, `U32 [experts]`
 //! (`layers.{i}.checksums`, see [`super::integrity`]), with a metadata header naming the format
 //! version, the slab layout, the group size and the source checkpoint (model id, revision,
 //! fingerprint).
@@ -183,7 +183,7 @@ impl PackFile {
             let count = vec![p.num_experts()];
             views.push((
                 checksums_name(*i),
-                view(safetensors::Dtype::U64, count, sums)?,
+                view(safetensors::Dtype::U32, count, sums)?,
             ));
         }
         safetensors::serialize_to_file(views, Some(info), path).map_err(|e| match e {
@@ -297,10 +297,10 @@ impl PackFile {
                 safetensors::Dtype::U8,
                 &[experts, slab_bytes],
             )?;
-            let sums = tensor(&checksums_name(i), safetensors::Dtype::U64, &[experts])?;
+            let sums = tensor(&checksums_name(i), safetensors::Dtype::U32, &[experts])?;
             let sums = map[sums]
-                .chunks_exact(8)
-                .map(|b| u64::from_le_bytes(b.try_into().expect("chunks of 8 bytes")))
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes(b.try_into().expect("chunks of 4 bytes")))
                 .collect();
             let origin = SlabOrigin::File {
                 path: path.to_path_buf(),

@@ -273,7 +273,7 @@ impl LayerPack {
         num_experts: usize,
         map: Arc<memmap2::Mmap>,
         range: std::ops::Range<usize>,
-        checksums: Vec<u64>,
+        checksums: Vec<u32>,
         origin: SlabOrigin,
     ) -> Result<Self, QmoeError> {
         if checksums.len() != num_experts {
@@ -368,7 +368,7 @@ impl LayerPack {
     }
 
     /// The checksum of every slab, in expert order, as written to a `.qmoe` file.
-    pub fn checksums(&self) -> &[u64] {
+    pub fn checksums(&self) -> &[u32] {
         self.checks.checksums()
     }
 
