@@ -461,6 +461,15 @@ fn mutate_pack_contents(rng: &mut StdRng, valid: &[u8], layout: ExpertLayout) ->
     }
 }
 
+/// A fresh folder `tag` holding a valid tiny pack: its folder, its path, its parsed bytes and
+/// its layout.
+fn tiny_pack_in(tag: &str) -> (PathBuf, PathBuf, Safetensors, ExpertLayout) {
+    let dir = temp_dir(tag);
+    let path = dir.join("tiny.qmoe");
+    let (valid, layout) = tiny_pack(&path);
+    (dir, path, Safetensors::parse(&valid), layout)
+}
+
 #[test]
 fn damaged_packs_are_refused_naming_the_file() {
     let dir = temp_dir("pack");
@@ -563,18 +572,23 @@ fn mutate_config(rng: &mut StdRng, valid: &[u8]) -> Mutation {
     }
 }
 
-#[test]
-fn damaged_configs_are_refused_naming_the_file() {
-    let dir = checkpoint_copy("config");
-    let path = dir.join("config.json");
+/// Fuzzes `file` of a copy of the olmoe-tiny checkpoint with `cases` mutations from `mutate`,
+/// loading the whole checkpoint each time; errors must name the checkpoint's folder.
+fn fuzz_checkpoint_file(
+    file: &str,
+    stream: u64,
+    cases: usize,
+    mutate: impl Fn(&mut StdRng, &[u8]) -> Mutation,
+) {
+    let dir = checkpoint_copy(file);
+    let path = dir.join(file);
     let valid = std::fs::read(&path).unwrap();
-    let mut rng = rng(2);
     fuzz(
         &path,
         &dir.display().to_string(),
-        iterations(1000),
-        |rng| mutate_config(rng, &valid),
-        &mut rng,
+        cases,
+        |rng| mutate(rng, &valid),
+        &mut rng(stream),
         || load_checkpoint(&dir),
         is_checkpoint_error,
     );
@@ -582,21 +596,15 @@ fn damaged_configs_are_refused_naming_the_file() {
 }
 
 #[test]
+fn damaged_configs_are_refused_naming_the_file() {
+    fuzz_checkpoint_file("config.json", 2, iterations(1000), mutate_config);
+}
+
+#[test]
 fn damaged_checkpoints_are_refused_naming_the_file() {
-    let dir = checkpoint_copy("safetensors");
-    let path = dir.join("model.safetensors");
-    let valid = std::fs::read(&path).unwrap();
-    let mut rng = rng(3);
-    fuzz(
-        &path,
-        &dir.display().to_string(),
-        iterations(400),
-        |rng| mutate_safetensors(rng, &valid, false),
-        &mut rng,
-        || load_checkpoint(&dir),
-        is_checkpoint_error,
-    );
-    std::fs::remove_dir_all(&dir).unwrap();
+    fuzz_checkpoint_file("model.safetensors", 3, iterations(400), |rng, valid| {
+        mutate_safetensors(rng, valid, false)
+    });
 }
 
 /// A pack whose expert 5 of layer 1 has 200 bytes overwritten loads (only the header is read),
@@ -604,10 +612,7 @@ fn damaged_checkpoints_are_refused_naming_the_file() {
 /// CPU kernel, by a residency miss, or by an eager `verify` — naming the file, layer and expert.
 #[test]
 fn a_corrupt_expert_is_refused_when_first_read() {
-    let dir = temp_dir("lazy");
-    let path = dir.join("tiny.qmoe");
-    let (valid, layout) = tiny_pack(&path);
-    let mut st = Safetensors::parse(&valid);
+    let (dir, path, mut st, layout) = tiny_pack_in("lazy");
     let slabs = st.range("layers.1.experts");
     let slab = slabs.start + 5 * layout.slab_bytes();
     let mut rng = rng(4);
@@ -670,10 +675,7 @@ fn a_corrupt_expert_is_refused_when_first_read() {
 /// A pack of the format before checksums (version 1) is refused with a clear way out.
 #[test]
 fn a_pack_without_checksums_asks_to_requantize() {
-    let dir = temp_dir("v1");
-    let path = dir.join("old.qmoe");
-    let (valid, _) = tiny_pack(&path);
-    let mut st = Safetensors::parse(&valid);
+    let (dir, path, mut st, _) = tiny_pack_in("v1");
     st.header["__metadata__"]["format_version"] = json!("1");
     std::fs::write(&path, st.to_bytes()).unwrap();
     let e = PackFile::open(&path).unwrap_err();

@@ -57,7 +57,7 @@ impl SlabOrigin {
 /// The checksums of a layer's slabs, which of them have been verified, and where the layer comes
 /// from (named in errors).
 #[derive(Debug)]
-pub struct SlabChecks {
+pub(crate) struct SlabChecks {
     origin: SlabOrigin,
     sums: Vec<u32>,
     verified: Vec<AtomicBool>,

@@ -16,8 +16,8 @@ use half::f16;
 use rayon::prelude::*;
 
 pub use file::{PackFile, PackMeta};
-use integrity::SlabOrigin;
-pub use integrity::{slab_checksum, SlabChecks};
+pub use integrity::slab_checksum;
+use integrity::{SlabChecks, SlabOrigin};
 pub use layout::{ExpertLayout, QMatrixLayout, SlabOffsets};
 pub use quant::{dequantize_matrix, quantize_matrix, QuantizedMatrix, ScaleSearch};
 
