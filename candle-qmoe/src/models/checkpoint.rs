@@ -106,11 +106,17 @@ struct NamedCheckpoint {
 }
 
 impl NamedCheckpoint {
+    /// A read error as a [`QmoeError::InvalidCheckpoint`] whose reason is Candle's message
+    /// (without a backtrace: the new error captures its own).
     fn named<T>(&self, read: candle::Result<T>) -> candle::Result<T> {
         read.map_err(|e| {
+            let reason = match e {
+                candle::Error::WithBacktrace { inner, .. } => inner.to_string(),
+                e => e.to_string(),
+            };
             QmoeError::InvalidCheckpoint {
                 dir: self.dir.clone(),
-                reason: e.to_string(),
+                reason,
             }
             .into()
         })

@@ -322,7 +322,8 @@ impl PackFile {
     }
 
     /// Verifies every slab of every layer against its checksum now (slabs are otherwise verified
-    /// on first use); a corrupt slab is an error naming the file, the layer and the expert.
+    /// on first use); a corrupt slab is a [`QmoeError::CorruptPack`] naming the file, the layer
+    /// and the expert.
     pub fn verify(&self) -> crate::Result<()> {
         self.layers.values().try_for_each(LayerPack::verify)
     }

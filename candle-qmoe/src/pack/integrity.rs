@@ -31,7 +31,7 @@ pub(crate) enum SlabOrigin {
         /// The MoE layer index.
         layer: usize,
     },
-    /// Slabs made in this process; the name prefixes the layer's tensor names.
+    /// Slabs made in this process, with a name for errors (e.g. the layer's tensor prefix).
     Memory(String),
 }
 
@@ -48,7 +48,7 @@ impl SlabOrigin {
                 ),
             },
             Self::Memory(name) => QmoeError::InvalidPack {
-                reason: format!("`{name}`, expert {expert}: {what}"),
+                reason: format!("{name}, expert {expert}: {what}"),
             },
         }
     }

@@ -250,7 +250,7 @@ impl LayerPack {
             .collect::<crate::Result<Vec<_>>>()?;
         let bytes = PackBytes::Owned(slabs.concat().into());
         Self::checked(layout, num_experts, bytes, |b| {
-            SlabChecks::computed(SlabOrigin::Memory(name.to_string()), layout, b)
+            SlabChecks::computed(SlabOrigin::Memory(format!("`{name}`")), layout, b)
         })
     }
 
@@ -336,18 +336,15 @@ impl LayerPack {
     }
 
     /// The slab of expert `e`, verified against its checksum on first use (see [`integrity`]).
-    pub fn verified_slab(&self, e: usize) -> Result<SlabView<'_>, QmoeError> {
+    pub fn verified_slab(&self, e: usize) -> crate::Result<SlabView<'_>> {
         let view = self.slab(e);
         self.checks.verify(e, self.layout, view.bytes)?;
         Ok(view)
     }
 
     /// Verifies the slabs of `experts` that are not verified yet (in parallel); a corrupt slab
-    /// is an error naming the pack file, the layer and the expert.
-    pub fn verify_experts(
-        &self,
-        experts: impl IntoIterator<Item = usize>,
-    ) -> Result<(), QmoeError> {
+    /// is a [`QmoeError::CorruptPack`] naming the pack file, the layer and the expert.
+    pub fn verify_experts(&self, experts: impl IntoIterator<Item = usize>) -> crate::Result<()> {
         let pending: Vec<usize> = experts
             .into_iter()
             .filter(|&e| !self.checks.is_verified(e))
@@ -363,7 +360,7 @@ impl LayerPack {
     }
 
     /// Verifies every slab not verified yet.
-    pub fn verify(&self) -> Result<(), QmoeError> {
+    pub fn verify(&self) -> crate::Result<()> {
         self.verify_experts(0..self.num_experts)
     }
 
