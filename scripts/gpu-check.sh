@@ -85,7 +85,7 @@ nvidia_wheel_libs() {
     local py
     for py in python3 python; do
         command -v "$py" >/dev/null 2>&1 || continue
-        "$py" - <<'PY' 2>/dev/null || true
+        "$py" - <<'PY' 2>/dev/null && return 0
 import glob
 import os
 
@@ -95,8 +95,8 @@ for base in nvidia.__path__:
     for lib in sorted(glob.glob(os.path.join(base, "*", "lib"))):
         print(lib)
 PY
-        return 0
     done
+    return 0
 }
 
 # Prints the directory holding $1: the usual toolkit and driver folders, then the folders in
@@ -187,7 +187,7 @@ run() {
     echo "gpu-check: check (gpu_check ${check_args[*]}, ≤ ${QMOE_CHECK_TIMEOUT:-$t_check} s)"
     timeout -k 10 "${QMOE_CHECK_TIMEOUT:-$t_check}" "$work/gpu_check" --json "$OUT/gpu_check.json" \
         --json "bench/results/gpu-check-$(date -u +%F)-${QMOE_COMMIT:0:12}$suffix.json" \
-        --commit "$QMOE_COMMIT" "${check_args[@]}" "$@" \
+        --commit "$QMOE_COMMIT" ${check_args[@]+"${check_args[@]}"} "$@" \
         2>"$OUT/gpu_check.log" | tee "$OUT/gpu_check.txt"
     rc_check=${PIPESTATUS[0]}
     echo "gpu-check: residency sweep (residency_sweep, ≤ ${QMOE_SWEEP_TIMEOUT:-$t_sweep} s)"

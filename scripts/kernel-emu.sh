@@ -27,8 +27,10 @@ if [[ "${1:-}" == "--sanitize" ]]; then
     tsan=$!
     build target/kernel-emu/emu-asan -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all &
     asan=$!
-    wait "$tsan"
-    wait "$asan"
+    rc=0
+    wait "$tsan" || rc=$?
+    wait "$asan" || rc=$?
+    [ "$rc" -eq 0 ] || exit "$rc"
     echo "kernel-emu: ThreadSanitizer"
     TSAN_OPTIONS="halt_on_error=1 exitcode=66" target/kernel-emu/emu-tsan --race
     echo "kernel-emu: AddressSanitizer + UndefinedBehaviorSanitizer"

@@ -20,16 +20,19 @@ stage "CUDA 13.0 toolchain (PyPI wheels, cached)" source scripts/cuda-env.sh
 mkdir -p target
 emu_log=target/kernel-emu.log
 emu_start=$SECONDS
-(bash scripts/kernel-emu.sh --quick && bash scripts/kernel-emu.sh --sanitize) >"$emu_log" 2>&1 &
+# In its own process group (setsid), so a failed stage can stop it with every g++ and emulator
+# process it started.
+setsid -w bash -c 'bash scripts/kernel-emu.sh --quick && bash scripts/kernel-emu.sh --sanitize' \
+    >"$emu_log" 2>&1 &
 emu=$!
-# A failed stage must not leave the emulator running.
-trap 'pkill -P "$emu" 2>/dev/null; kill "$emu" 2>/dev/null || true' EXIT
+trap 'kill -- -"$emu" 2>/dev/null || true' EXIT
 stage "clippy -D warnings + release build (all targets, cuda)" \
     with_clippy cargo build --release --workspace --all-targets --features cuda
 stage "release tests (cuda)" with_clippy cargo test --release --workspace --features cuda
 emulator() {
     local rc=0
     wait "$emu" || rc=$?
+    trap - EXIT
     cat "$emu_log"
     echo "kernel emulator (--quick, then --sanitize) finished $((SECONDS - emu_start)) s after it started"
     return "$rc"

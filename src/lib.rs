@@ -10,6 +10,8 @@
 //! * [`system`] — memory, CPU/GPU, driver and commit facts recorded in evidence files.
 //! * [`testing`] — deterministic random data and f64 references for the tests and benches.
 
+#![warn(missing_docs)]
+
 pub mod calibration;
 pub mod checkpoint;
 pub mod model;

@@ -20,6 +20,7 @@ use clap::ValueEnum;
 use serde_json::json;
 use tokenizers::Tokenizer;
 
+/// `--experts`: how the routed experts are stored and computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Experts {
     /// INT4 weights with FP16 group scales, computed by the W4A16 kernels.
@@ -30,6 +31,7 @@ pub enum Experts {
     F32,
 }
 
+/// `--dtype`: the compute dtype of the non-expert weights.
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum Dtype {
     /// 32-bit floats (the CPU default).
@@ -41,6 +43,7 @@ pub enum Dtype {
 }
 
 impl Dtype {
+    /// The Candle dtype.
     pub fn dtype(self) -> DType {
         match self {
             Self::F32 => DType::F32,

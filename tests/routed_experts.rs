@@ -149,6 +149,7 @@ fn run(case: &Case, seed: u64, backend: Backend) {
             // Activations are rounded to i16 per group (≤ 2⁻¹⁶ of the group max, twice: input
             // and SiLU·up), so the relative error is ~1e-5; 2e-4 leaves a 10× margin.
             let int4 = Int4Experts::with_isa(pack, isa);
+            assert_eq!(int4.isa(), isa, "{isa:?} is not available on this CPU");
             let got = to_vec(int4.forward(&xs, &ids, &w).unwrap());
             let err = rel_err(&got, &want);
             assert!(err < 2e-4, "{isa:?} {shape}: rel err {err}");

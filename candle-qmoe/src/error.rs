@@ -238,7 +238,14 @@ impl QmoeError {
     pub fn find(err: &candle::Error) -> Option<&QmoeError> {
         let found = match err {
             candle::Error::Io(io) => io.get_ref()?.downcast_ref::<QmoeError>(),
-            candle::Error::WrappedContext { wrapped, .. } => wrapped.downcast_ref::<QmoeError>(),
+            // What Candle's `Context` trait makes of a `Result<_, QmoeError>` or of a
+            // `candle::Result`.
+            candle::Error::WrappedContext { wrapped, .. } => {
+                match wrapped.downcast_ref::<QmoeError>() {
+                    Some(found) => Some(found),
+                    None => return wrapped.downcast_ref::<candle::Error>().and_then(Self::find),
+                }
+            }
             candle::Error::Context { inner, .. }
             | candle::Error::WithPath { inner, .. }
             | candle::Error::WithBacktrace { inner, .. } => Self::find(inner),
@@ -340,6 +347,13 @@ mod tests {
         use candle::Context;
         let r: std::result::Result<(), QmoeError> = Err(shape());
         let e = r.context("loading").unwrap_err();
+        assert!(matches!(
+            QmoeError::find(&e),
+            Some(QmoeError::ShapeMismatch { .. })
+        ));
+        // … and on a `candle::Result` that carries one.
+        let r: candle::Result<()> = Err(shape().into());
+        let e = r.context("step").unwrap_err();
         assert!(matches!(
             QmoeError::find(&e),
             Some(QmoeError::ShapeMismatch { .. })

@@ -257,6 +257,11 @@ impl Int4Experts {
         }
     }
 
+    /// The instruction-set path this backend computes with.
+    pub fn isa(&self) -> cpu::CpuIsa {
+        self.isa
+    }
+
     /// The packed experts.
     pub fn pack(&self) -> &LayerPack {
         &self.pack

@@ -65,6 +65,8 @@
 //! # Ok(()) }
 //! ```
 
+#![warn(missing_docs)]
+
 pub mod error;
 pub mod experts;
 pub mod generation;

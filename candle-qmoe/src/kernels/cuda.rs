@@ -265,6 +265,8 @@ impl DeviceExperts {
         device: &CudaDevice,
         slots: &[u32],
     ) -> candle::Result<Self> {
+        // A corrupt slab is refused before it reaches the device (verified once per slab).
+        pack.verify()?;
         let (layout, num_experts) = (pack.layout(), pack.num_experts());
         let mut seen = vec![false; num_experts];
         for &s in slots {
