@@ -152,3 +152,29 @@ pub fn golden_prompt_count(golden: &std::collections::HashMap<String, Tensor>) -
         .take_while(|i| golden.contains_key(&format!("prompt{i}.input_ids")))
         .count()
 }
+
+/// The trials `make(isa)` builds for each CPU instruction-set path — the portable one (forced)
+/// and every SIMD one — named `{prefix}_{path}::…`; a path this CPU lacks is reported as
+/// **ignored** (never as passed), with a `SKIPPED` line on stderr saying why.
+pub fn isa_trials(
+    prefix: &str,
+    paths: &[(&str, candle_qmoe::kernels::cpu::CpuIsa)],
+    make: impl Fn(&str, candle_qmoe::kernels::cpu::CpuIsa) -> Vec<libtest_mimic::Trial>,
+) -> Vec<libtest_mimic::Trial> {
+    let mut all = Vec::new();
+    for &(path, isa) in paths {
+        let name = format!("{prefix}_{path}");
+        let available = isa.is_available();
+        if !available {
+            eprintln!(
+                "SKIPPED: this CPU lacks {isa:?}; the {name}::* tests are reported as ignored"
+            );
+        }
+        all.extend(
+            make(&name, isa)
+                .into_iter()
+                .map(|t| t.with_ignored_flag(!available)),
+        );
+    }
+    all
+}

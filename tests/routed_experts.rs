@@ -8,7 +8,9 @@ use candle::{Device, Tensor};
 use candle_qmoe::kernels::cpu::CpuIsa;
 use candle_qmoe::pack::{ExpertLayout, GroupSize, LayerPack, ScaleSearch};
 use candle_qmoe::{DenseExperts, Int4Experts, QmoeError, RoutedExperts};
-use candle_qmoe_suite::testing::{random_experts, random_routing, reference_f64, rel_err, Rng};
+use candle_qmoe_suite::testing::{
+    isa_trials, random_experts, random_routing, reference_f64, rel_err, Rng,
+};
 use libtest_mimic::{Arguments, Failed, Trial};
 
 struct Case {
@@ -192,23 +194,15 @@ fn trials(name: &str, backend: Backend) -> Vec<Trial> {
 fn main() {
     let args = Arguments::from_args();
     let mut all = trials("dense_oracle", Backend::Dense);
-    for (name, isa) in [
-        ("int4_portable", CpuIsa::Scalar),
-        ("int4_avx2", CpuIsa::Avx2),
-        ("int4_avx512_vnni", CpuIsa::Avx512Vnni),
-    ] {
-        let available = isa.is_available();
-        if !available {
-            eprintln!(
-                "SKIPPED: this CPU lacks {isa:?}; the {name}::* tests are reported as ignored"
-            );
-        }
-        all.extend(
-            trials(name, Backend::Int4(isa))
-                .into_iter()
-                .map(|t| t.with_ignored_flag(!available)),
-        );
-    }
+    all.extend(isa_trials(
+        "int4",
+        &[
+            ("portable", CpuIsa::Scalar),
+            ("avx2", CpuIsa::Avx2),
+            ("avx512_vnni", CpuIsa::Avx512Vnni),
+        ],
+        |name, isa| trials(name, Backend::Int4(isa)),
+    ));
     all.push(Trial::test("bad_routing_is_a_clear_error", || {
         bad_routing_is_a_clear_error();
         Ok::<(), Failed>(())

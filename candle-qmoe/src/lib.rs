@@ -4,6 +4,8 @@
 //! * [`kernels`] — fused top-k W4A16 compute straight from the pack.
 //! * [`experts`] — the [`RoutedExperts`] trait with the dense oracle and the INT4 backend.
 //! * [`moe`] — [`SparseMoe`]: router → softmax → top-k → routed experts (+ shared expert).
+//! * [`linear`] — [`DenseLinear`]: the non-expert projections, BF16 weights with F32
+//!   activations on the CPU through our own kernel.
 //! * [`mlp`] — the gated SiLU MLP used by dense layers and shared experts.
 //! * [`residency`] — a bounded per-layer cache of experts in device memory over the immutable
 //!   host pack: slots, staging, safe publication, eviction policies, prefetch, hybrid compute.
@@ -71,6 +73,7 @@ pub mod error;
 pub mod experts;
 pub mod generation;
 pub mod kernels;
+pub mod linear;
 pub mod mlp;
 pub mod models;
 pub mod moe;
@@ -82,5 +85,6 @@ pub mod synthetic;
 
 pub use error::{QmoeError, Result};
 pub use experts::{DenseExperts, GgmlExperts, Int4Experts, RoutedExperts};
+pub use linear::DenseLinear;
 pub use moe::{Routing, SparseMoe};
 pub use pack::{ExpertLayout, GroupSize, ScaleSearch};

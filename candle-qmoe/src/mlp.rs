@@ -1,23 +1,25 @@
 //! The gated SiLU MLP (`down(silu(gate(x)) · up(x))`) of dense layers and shared experts.
 
 use candle::{Module, Tensor};
-use candle_nn::{linear_no_bias, Linear, VarBuilder};
+use candle_nn::VarBuilder;
+
+use crate::DenseLinear;
 
 /// A gated SiLU MLP with bias-free projections named `gate_proj`, `up_proj`, `down_proj`.
 #[derive(Clone, Debug)]
 pub struct GatedMlp {
-    gate_proj: Linear,
-    up_proj: Linear,
-    down_proj: Linear,
+    gate_proj: DenseLinear,
+    up_proj: DenseLinear,
+    down_proj: DenseLinear,
 }
 
 impl GatedMlp {
     /// Loads `gate_proj`/`up_proj` `[intermediate, hidden]` and `down_proj` `[hidden, intermediate]`.
     pub fn new(hidden: usize, intermediate: usize, vb: VarBuilder) -> candle::Result<Self> {
         Ok(Self {
-            gate_proj: linear_no_bias(hidden, intermediate, vb.pp("gate_proj"))?,
-            up_proj: linear_no_bias(hidden, intermediate, vb.pp("up_proj"))?,
-            down_proj: linear_no_bias(intermediate, hidden, vb.pp("down_proj"))?,
+            gate_proj: DenseLinear::load_no_bias(hidden, intermediate, vb.pp("gate_proj"))?,
+            up_proj: DenseLinear::load_no_bias(hidden, intermediate, vb.pp("up_proj"))?,
+            down_proj: DenseLinear::load_no_bias(intermediate, hidden, vb.pp("down_proj"))?,
         })
     }
 }

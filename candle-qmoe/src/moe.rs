@@ -1,17 +1,17 @@
 //! [`SparseMoe`]: the replacement MoE block shared by every model port.
 //!
-//! Router `Linear` → softmax in F32 → top-k → optional renormalisation (`norm_topk_prob`) →
+//! Router ([`DenseLinear`]) → softmax in F32 → top-k → optional renormalisation (`norm_topk_prob`) →
 //! [`RoutedExperts`] → plus an optional sigmoid-gated shared expert (Qwen2-MoE). This is the
 //! arithmetic of transformers' `OlmoeSparseMoeBlock` and `Qwen2MoeSparseMoeBlock`.
 
 use std::sync::Arc;
 
 use candle::{DType, Module, Tensor, D};
-use candle_nn::{linear_no_bias, Linear, VarBuilder};
+use candle_nn::VarBuilder;
 
 use crate::mlp::GatedMlp;
 use crate::pack::DenseExpert;
-use crate::{QmoeError, RoutedExperts};
+use crate::{DenseLinear, QmoeError, RoutedExperts};
 
 /// The routing decision for a batch of tokens.
 #[derive(Clone, Debug)]
@@ -28,7 +28,7 @@ pub struct Routing {
 #[derive(Clone, Debug)]
 pub struct SharedExpert {
     mlp: GatedMlp,
-    gate: Linear,
+    gate: DenseLinear,
 }
 
 impl SharedExpert {
@@ -37,7 +37,7 @@ impl SharedExpert {
     pub fn new(hidden: usize, intermediate: usize, vb: VarBuilder) -> candle::Result<Self> {
         Ok(Self {
             mlp: GatedMlp::new(hidden, intermediate, vb.pp("shared_expert"))?,
-            gate: linear_no_bias(hidden, 1, vb.pp("shared_expert_gate"))?,
+            gate: DenseLinear::load_no_bias(hidden, 1, vb.pp("shared_expert_gate"))?,
         })
     }
 }
@@ -52,7 +52,7 @@ impl Module for SharedExpert {
 /// The next MoE layer's router and experts, for prefetching its likely experts.
 #[derive(Clone)]
 struct PrefetchTarget {
-    router: Linear,
+    router: DenseLinear,
     top_k: usize,
     experts: Arc<dyn RoutedExperts>,
 }
@@ -64,7 +64,7 @@ pub const PREFETCH_MAX_TOKENS: usize = 4;
 /// A sparse MoE block with a swappable routed-experts backend.
 #[derive(Clone)]
 pub struct SparseMoe {
-    router: Linear,
+    router: DenseLinear,
     experts: Arc<dyn RoutedExperts>,
     top_k: usize,
     norm_topk_prob: bool,
@@ -87,12 +87,13 @@ impl std::fmt::Debug for SparseMoe {
 impl SparseMoe {
     /// Builds the block, checking `1 ≤ top_k ≤ experts` and the router's shape.
     pub fn new(
-        router: Linear,
+        router: impl Into<DenseLinear>,
         experts: Arc<dyn RoutedExperts>,
         top_k: usize,
         norm_topk_prob: bool,
         shared: Option<SharedExpert>,
     ) -> candle::Result<Self> {
+        let router = router.into();
         let e = experts.num_experts();
         if top_k == 0 || top_k > e {
             return Err(QmoeError::InvalidArgument {
@@ -157,8 +158,8 @@ impl SparseMoe {
         hidden: usize,
         num_experts: usize,
         vb: VarBuilder,
-    ) -> candle::Result<Linear> {
-        linear_no_bias(hidden, num_experts, vb.pp("gate"))
+    ) -> candle::Result<DenseLinear> {
+        DenseLinear::load_no_bias(hidden, num_experts, vb.pp("gate"))
     }
 
     /// Loads the dense weights of experts `experts.{e}.{gate,up,down}_proj` from the MoE block's

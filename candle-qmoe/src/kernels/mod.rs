@@ -1,12 +1,16 @@
-//! Fused top-k W4A16 compute for routed experts, straight from the INT4 pack.
+//! Our compute kernels: fused top-k W4A16 for routed experts straight from the INT4 pack, and the
+//! CPU paths around them.
 //!
-//! [`cpu`] holds the SIMD + multithreaded CPU kernel, `cuda` (feature `cuda`) the launcher of the
-//! GPU kernels of `candle-qmoe-kernels`. [`RoutePlan`] groups the routed (token, slot) pairs by
-//! expert so that each expert's bytes are read once per call.
+//! [`cpu`] holds the SIMD + multithreaded CPU W4A16 kernel, `cuda` (feature `cuda`) the launcher
+//! of the GPU kernels of `candle-qmoe-kernels`. [`RoutePlan`] groups the routed (token, slot)
+//! pairs by expert so that each expert's bytes are read once per call. On the CPU, [`dense`]
+//! multiplies by the BF16 non-expert weights and [`attention`] attends over an in-place KV cache.
 
+pub mod attention;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod dense;
 
 use crate::QmoeError;
 

@@ -3,27 +3,30 @@
 use std::sync::Arc;
 
 use candle::{DType, Device, Module, Tensor};
-use candle_nn::{embedding, Embedding, Linear, VarBuilder};
+use candle_nn::{embedding, Embedding, VarBuilder};
 
 use super::config::{ModelConfig, ModelSpec};
 use super::experts::ExpertsLoader;
 use super::layers::{causal_mask, DecoderLayer, FeedForward, RmsNorm, RotaryEmbedding};
+use crate::linear::{activation_dtype, DenseLinear};
 use crate::{QmoeError, SparseMoe};
 
 /// A decoder-only MoE causal LM (OLMoE or Qwen2-MoE layout) with a KV cache.
 ///
 /// Weights use the Hugging Face names (`model.embed_tokens`, `model.layers.{i}.*`, `model.norm`,
-/// `lm_head`) and are computed in the VarBuilder's dtype; MoE blocks are [`SparseMoe`] with the
-/// routed experts an [`ExpertsLoader`] provides. Logits are returned in F32.
+/// `lm_head`) and are kept in the VarBuilder's dtype; activations are in [`activation_dtype`] of
+/// it (on the CPU, BF16 weights compute with F32 activations). MoE blocks are [`SparseMoe`] with
+/// the routed experts an [`ExpertsLoader`] provides. Logits are returned in F32.
 #[derive(Clone, Debug)]
 pub struct MoeForCausalLm {
     spec: ModelSpec,
     embed_tokens: Embedding,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
-    lm_head: Linear,
+    lm_head: DenseLinear,
     cached: usize,
     dtype: DType,
+    activations: DType,
     device: Device,
 }
 
@@ -43,13 +46,14 @@ impl MoeForCausalLm {
     ) -> candle::Result<Self> {
         let spec = cfg.spec()?;
         let (dtype, device) = (vb.dtype(), vb.device().clone());
+        let activations = activation_dtype(dtype, &device);
         let vb_m = vb.pp("model");
         let embed_tokens = embedding(spec.vocab_size, spec.hidden_size, vb_m.pp("embed_tokens"))?;
         let rotary = Arc::new(RotaryEmbedding::new(
             spec.rope_theta,
             spec.head_dim,
             spec.max_position_embeddings,
-            dtype,
+            activations,
             &device,
         )?);
         let layers = (0..spec.num_layers())
@@ -57,9 +61,9 @@ impl MoeForCausalLm {
             .collect::<candle::Result<Vec<_>>>()?;
         let norm = RmsNorm::new(spec.hidden_size, spec.rms_norm_eps, vb_m.pp("norm"))?;
         let lm_head = if spec.tie_word_embeddings {
-            Linear::new(embed_tokens.embeddings().clone(), None)
+            DenseLinear::new(embed_tokens.embeddings().clone(), None)?
         } else {
-            candle_nn::linear_no_bias(spec.hidden_size, spec.vocab_size, vb.pp("lm_head"))?
+            DenseLinear::load_no_bias(spec.hidden_size, spec.vocab_size, vb.pp("lm_head"))?
         };
         Ok(Self {
             spec,
@@ -69,6 +73,7 @@ impl MoeForCausalLm {
             lm_head,
             cached: 0,
             dtype,
+            activations,
             device,
         })
     }
@@ -183,7 +188,10 @@ impl MoeForCausalLm {
         let (_, s) = self.check_input(input_ids, offset)?;
         let ids = input_ids.to_dtype(DType::U32)?.to_device(&self.device)?;
         let mask = causal_mask(s, offset, &self.device)?;
-        let xs = self.embed_tokens.forward(&ids)?;
+        let xs = self
+            .embed_tokens
+            .forward(&ids)?
+            .to_dtype(self.activations)?;
         let (mut xs, router_logits) = match self.run_layers(xs, offset, mask.as_ref(), want_router)
         {
             Ok(r) => r,
@@ -230,9 +238,22 @@ impl MoeForCausalLm {
         &self.spec
     }
 
-    /// The compute dtype (the VarBuilder's).
+    /// The dtype of the non-expert weights (the VarBuilder's).
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// The dtype of the activations ([`activation_dtype`] of the weights' dtype and device).
+    pub fn activation_dtype(&self) -> DType {
+        self.activations
+    }
+
+    /// Bytes the KV caches of all layers hold allocated.
+    pub fn kv_cache_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| l.attention().kv_cache_bytes())
+            .sum()
     }
 
     /// The device the weights live on.

@@ -4,14 +4,20 @@
 //! The arithmetic follows transformers' Llama-family code that `OlmoeAttention` and
 //! `Qwen2MoeAttention` derive from: RMSNorm in F32 and cast back before the weight, RoPE tables
 //! computed in F32 (rotate-half convention), scores in the model dtype and softmax in F32.
+//!
+//! Activations are in [`activation_dtype`] of the weights: on the CPU, BF16 weights compute
+//! with F32 activations, and F32 attention runs the fused CPU kernel over an in-place KV cache
+//! ([`crate::kernels::attention`]); elsewhere attention is Candle tensor code.
 
 use std::sync::Arc;
 
 use candle::{DType, Device, Module, Tensor, D};
-use candle_nn::{linear_b, Linear, VarBuilder};
+use candle_nn::VarBuilder;
 
 use super::config::{FfnSpec, ModelSpec};
 use super::experts::{ExpertDims, ExpertsLoader};
+use crate::kernels::attention::{attend, KvCache};
+use crate::linear::{activation_dtype, DenseLinear};
 use crate::mlp::GatedMlp;
 use crate::moe::SharedExpert;
 use crate::SparseMoe;
@@ -25,10 +31,11 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
-    /// Loads `weight [size]` from `vb`.
+    /// Loads `weight [size]` from `vb`, in the activations' dtype ([`activation_dtype`]).
     pub fn new(size: usize, eps: f64, vb: VarBuilder) -> candle::Result<Self> {
+        let dtype = activation_dtype(vb.dtype(), vb.device());
         Ok(Self {
-            weight: vb.get(size, "weight")?,
+            weight: vb.get(size, "weight")?.to_dtype(dtype)?,
             eps,
         })
     }
@@ -94,6 +101,14 @@ impl RotaryEmbedding {
         let sin = self.sin.narrow(0, offset, seq_len)?;
         candle_nn::rotary_emb::rope(&xs.contiguous()?, &cos, &sin)
     }
+
+    /// Rotates token-major `xs [B, S, heads, head_dim]` whose first token sits at `offset`.
+    pub fn apply_token_major(&self, xs: &Tensor, offset: usize) -> candle::Result<Tensor> {
+        let seq_len = xs.dim(1)?;
+        let cos = self.cos.narrow(0, offset, seq_len)?;
+        let sin = self.sin.narrow(0, offset, seq_len)?;
+        candle_nn::rotary_emb::rope_thd(&xs.contiguous()?, &cos, &sin)
+    }
 }
 
 /// The additive causal mask `[S, offset + S]` (F32, `-inf` above the shifted diagonal), or `None`
@@ -133,13 +148,24 @@ pub fn repeat_kv(xs: Tensor, n_rep: usize) -> candle::Result<Tensor> {
         .reshape((b, kv * n_rep, s, d))
 }
 
+/// The keys and values an attention layer has seen.
+#[derive(Clone, Debug)]
+enum KvStore {
+    /// Nothing cached yet.
+    Empty,
+    /// `[B, kv_heads, S, head_dim]` tensors, concatenated per call (GPU, non-F32 activations).
+    Tensors(Tensor, Tensor),
+    /// The CPU cache the fused kernel attends over (F32 activations on the CPU).
+    Host(KvCache),
+}
+
 /// Multi-head attention with GQA, optional q/k/v bias, q/k norm, `clip_qkv`, and a KV cache.
 #[derive(Clone, Debug)]
 pub struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
+    q_proj: DenseLinear,
+    k_proj: DenseLinear,
+    v_proj: DenseLinear,
+    o_proj: DenseLinear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
     clip_qkv: Option<f64>,
@@ -147,7 +173,7 @@ pub struct Attention {
     num_kv_heads: usize,
     head_dim: usize,
     rotary: Arc<RotaryEmbedding>,
-    kv_cache: Option<(Tensor, Tensor)>,
+    kv_cache: KvStore,
 }
 
 impl Attention {
@@ -168,10 +194,10 @@ impl Attention {
                 .transpose()
         };
         Ok(Self {
-            q_proj: linear_b(h, q_dim, a.qkv_bias, vb.pp("q_proj"))?,
-            k_proj: linear_b(h, kv_dim, a.qkv_bias, vb.pp("k_proj"))?,
-            v_proj: linear_b(h, kv_dim, a.qkv_bias, vb.pp("v_proj"))?,
-            o_proj: linear_b(q_dim, h, a.o_bias, vb.pp("o_proj"))?,
+            q_proj: DenseLinear::load(h, q_dim, a.qkv_bias, vb.pp("q_proj"))?,
+            k_proj: DenseLinear::load(h, kv_dim, a.qkv_bias, vb.pp("k_proj"))?,
+            v_proj: DenseLinear::load(h, kv_dim, a.qkv_bias, vb.pp("v_proj"))?,
+            o_proj: DenseLinear::load(q_dim, h, a.o_bias, vb.pp("o_proj"))?,
             q_norm: norm(q_dim, "q_norm")?,
             k_norm: norm(kv_dim, "k_norm")?,
             clip_qkv: a.clip_qkv,
@@ -179,7 +205,7 @@ impl Attention {
             num_kv_heads: spec.num_kv_heads,
             head_dim: hd,
             rotary,
-            kv_cache: None,
+            kv_cache: KvStore::Empty,
         })
     }
 
@@ -191,7 +217,6 @@ impl Attention {
         offset: usize,
         mask: Option<&Tensor>,
     ) -> candle::Result<Tensor> {
-        let (b, s, _) = xs.dims3()?;
         let mut q = self.q_proj.forward(xs)?;
         let mut k = self.k_proj.forward(xs)?;
         let mut v = self.v_proj.forward(xs)?;
@@ -204,6 +229,62 @@ impl Attention {
             k = k.clamp(-c, c)?;
             v = v.clamp(-c, c)?;
         }
+        if xs.device().is_cpu() && q.dtype() == DType::F32 {
+            self.attend_host(q, k, v, offset)
+        } else {
+            self.attend_tensors(q, k, v, offset, mask)
+        }
+    }
+
+    /// The fused CPU kernel over the in-place cache; `q`, `k`, `v` are `[B, S, heads · D]`.
+    fn attend_host(
+        &mut self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        offset: usize,
+    ) -> candle::Result<Tensor> {
+        let (b, s, _) = q.dims3()?;
+        let d = self.head_dim;
+        let rope = |t: Tensor, n: usize| -> candle::Result<Vec<f32>> {
+            let t = t.reshape((b, s, n, d))?;
+            self.rotary
+                .apply_token_major(&t, offset)?
+                .flatten_all()?
+                .to_vec1()
+        };
+        let q = rope(q, self.num_heads)?;
+        let k = rope(k, self.num_kv_heads)?;
+        let v = v.flatten_all()?.to_vec1::<f32>()?;
+        if matches!(self.kv_cache, KvStore::Empty) {
+            self.kv_cache = KvStore::Host(KvCache::new(b, self.num_kv_heads, d));
+        }
+        let KvStore::Host(cache) = &mut self.kv_cache else {
+            candle::bail!("attention: the KV cache was filled on another device or dtype");
+        };
+        if cache.batch() != b {
+            candle::bail!(
+                "attention: batch of {b} but the KV cache holds {} sequences",
+                cache.batch()
+            );
+        }
+        cache.append(&k, &v, s);
+        let scale = 1.0 / (d as f32).sqrt();
+        let out = attend(&q, cache, s, self.num_heads, scale);
+        let out = Tensor::from_vec(out, (b, s, self.num_heads * d), &Device::Cpu)?;
+        self.o_proj.forward(&out)
+    }
+
+    /// Candle tensor code: concatenated cache, repeated kv heads, masked softmax.
+    fn attend_tensors(
+        &mut self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        offset: usize,
+        mask: Option<&Tensor>,
+    ) -> candle::Result<Tensor> {
+        let (b, s, _) = q.dims3()?;
         let heads = |t: Tensor, n: usize| {
             t.reshape((b, s, n, self.head_dim))?
                 .transpose(1, 2)?
@@ -212,11 +293,14 @@ impl Attention {
         let q = self.rotary.apply(&heads(q, self.num_heads)?, offset)?;
         let k = self.rotary.apply(&heads(k, self.num_kv_heads)?, offset)?;
         let v = heads(v, self.num_kv_heads)?;
-        let (k, v) = match self.kv_cache.take() {
-            Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
-            None => (k, v),
+        let (k, v) = match std::mem::replace(&mut self.kv_cache, KvStore::Empty) {
+            KvStore::Tensors(pk, pv) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
+            KvStore::Empty => (k, v),
+            KvStore::Host(_) => {
+                candle::bail!("attention: the KV cache was filled on another device or dtype")
+            }
         };
-        self.kv_cache = Some((k.clone(), v.clone()));
+        self.kv_cache = KvStore::Tensors(k.clone(), v.clone());
         let n_rep = self.num_heads / self.num_kv_heads;
         let k = repeat_kv(k, n_rep)?;
         let v = repeat_kv(v, n_rep)?;
@@ -237,14 +321,25 @@ impl Attention {
 
     /// Empties the KV cache.
     pub fn clear_kv_cache(&mut self) {
-        self.kv_cache = None;
+        self.kv_cache = KvStore::Empty;
     }
 
     /// Tokens held in the KV cache.
     pub fn cached_len(&self) -> usize {
-        self.kv_cache
-            .as_ref()
-            .map_or(0, |(k, _)| k.dim(2).unwrap_or(0))
+        match &self.kv_cache {
+            KvStore::Empty => 0,
+            KvStore::Tensors(k, _) => k.dim(2).unwrap_or(0),
+            KvStore::Host(c) => c.len(),
+        }
+    }
+
+    /// Bytes the KV cache holds allocated (keys and values).
+    pub fn kv_cache_bytes(&self) -> usize {
+        match &self.kv_cache {
+            KvStore::Empty => 0,
+            KvStore::Tensors(k, v) => (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes(),
+            KvStore::Host(c) => c.allocated_bytes(),
+        }
     }
 }
 

@@ -1,0 +1,270 @@
+//! CPU attention over a KV cache that is appended to in place: no per-token concatenation, no
+//! repeated key/value heads for GQA, and one fused pass per (sequence, head, query) — scores,
+//! softmax in F32, weighted sum of the values — with the causal mask implied by positions.
+//!
+//! Keys and values are kept in F32 as `[batch, kv_heads, capacity, head_dim]`, so that one head's
+//! keys are contiguous; query head `h` reads kv head `h / (heads / kv_heads)` as
+//! `repeat_interleave` would. The capacity grows in chunks of at least [`KV_CHUNK`] positions
+//! (and by half again when it grows), so a long generation copies the cache a few times in all
+//! instead of once per token.
+
+use rayon::prelude::*;
+
+/// The smallest growth of the cache, in positions.
+pub const KV_CHUNK: usize = 256;
+
+/// Query rows per rayon task during prefill.
+const QUERY_BLOCK: usize = 16;
+
+/// The keys and values of one attention layer, on the CPU.
+#[derive(Clone, Debug)]
+pub struct KvCache {
+    batch: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    len: usize,
+    capacity: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl KvCache {
+    /// An empty cache for `batch` sequences of `kv_heads` heads of `head_dim`.
+    pub fn new(batch: usize, kv_heads: usize, head_dim: usize) -> Self {
+        Self {
+            batch,
+            kv_heads,
+            head_dim,
+            len: 0,
+            capacity: 0,
+            k: Vec::new(),
+            v: Vec::new(),
+        }
+    }
+
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no position is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Positions the current allocation holds.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Sequences in the batch.
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// Bytes allocated for keys and values.
+    pub fn allocated_bytes(&self) -> usize {
+        (self.k.capacity() + self.v.capacity()) * std::mem::size_of::<f32>()
+    }
+
+    fn grow_to(&mut self, needed: usize) {
+        if needed <= self.capacity {
+            return;
+        }
+        let cap = needed
+            .max(self.capacity + self.capacity / 2)
+            .next_multiple_of(KV_CHUNK);
+        let (d, old, len) = (self.head_dim, self.capacity, self.len);
+        let rows = self.batch * self.kv_heads;
+        for buf in [&mut self.k, &mut self.v] {
+            // Zeroed memory is mapped lazily: only the positions written are touched.
+            let mut next = vec![0f32; rows * cap * d];
+            for r in 0..rows {
+                next[r * cap * d..(r * cap + len) * d]
+                    .copy_from_slice(&buf[r * old * d..(r * old + len) * d]);
+            }
+            *buf = next;
+        }
+        self.capacity = cap;
+    }
+
+    /// Appends `s` positions of keys and values given token-major, `[batch, s, kv_heads,
+    /// head_dim]` (the projections' layout).
+    ///
+    /// # Panics
+    /// When the slices do not hold `batch · s · kv_heads · head_dim` values.
+    pub fn append(&mut self, k: &[f32], v: &[f32], s: usize) {
+        let (hk, d) = (self.kv_heads, self.head_dim);
+        assert_eq!(
+            k.len(),
+            self.batch * s * hk * d,
+            "keys must be [b, s, kv_heads, d]"
+        );
+        assert_eq!(v.len(), k.len(), "values must be [b, s, kv_heads, d]");
+        self.grow_to(self.len + s);
+        let cap = self.capacity;
+        for b in 0..self.batch {
+            for t in 0..s {
+                for h in 0..hk {
+                    let src = ((b * s + t) * hk + h) * d;
+                    let dst = ((b * hk + h) * cap + self.len + t) * d;
+                    self.k[dst..dst + d].copy_from_slice(&k[src..src + d]);
+                    self.v[dst..dst + d].copy_from_slice(&v[src..src + d]);
+                }
+            }
+        }
+        self.len += s;
+    }
+
+    /// Keys and values of sequence `b`, kv head `h`: `[len, head_dim]` each.
+    fn head(&self, b: usize, h: usize) -> (&[f32], &[f32]) {
+        let d = self.head_dim;
+        let start = (b * self.kv_heads + h) * self.capacity * d;
+        (
+            &self.k[start..start + self.len * d],
+            &self.v[start..start + self.len * d],
+        )
+    }
+}
+
+/// Causal attention of the last `s` positions of `cache` (just appended) to every position up
+/// to their own: `q [batch, s, heads, head_dim]` token-major, scores scaled by `scale`; returns
+/// `[batch, s, heads, head_dim]`.
+///
+/// # Panics
+/// When `q` does not match the cache's batch and head dim, `heads` is not a multiple of the
+/// cache's kv heads, or the cache holds fewer than `s` positions.
+pub fn attend(q: &[f32], cache: &KvCache, s: usize, heads: usize, scale: f32) -> Vec<f32> {
+    let (batch, d, hk) = (cache.batch, cache.head_dim, cache.kv_heads);
+    assert_eq!(q.len(), batch * s * heads * d, "q must be [b, s, heads, d]");
+    assert!(
+        hk > 0 && heads.is_multiple_of(hk),
+        "{heads} heads over {hk} kv heads"
+    );
+    assert!(
+        s <= cache.len,
+        "{s} queries but {} cached positions",
+        cache.len
+    );
+    let n_rep = heads / hk;
+    let first = cache.len - s;
+    let blocks = s.div_ceil(QUERY_BLOCK);
+    // One task per (sequence, head, block of queries); each writes its own [rows, d] part.
+    let parts: Vec<Vec<f32>> = (0..batch * heads * blocks)
+        .into_par_iter()
+        .map(|task| {
+            let (bh, blk) = (task / blocks, task % blocks);
+            let (b, h) = (bh / heads, bh % heads);
+            let (keys, values) = cache.head(b, h / n_rep);
+            let rows = blk * QUERY_BLOCK..((blk + 1) * QUERY_BLOCK).min(s);
+            let mut out = vec![0f32; rows.len() * d];
+            let mut scores = Vec::with_capacity(cache.len);
+            for (t, o) in rows.zip(out.chunks_exact_mut(d)) {
+                let qi = ((b * s + t) * heads + h) * d;
+                let visible = first + t + 1;
+                head_query(&q[qi..qi + d], keys, values, visible, scale, &mut scores, o);
+            }
+            out
+        })
+        .collect();
+    let mut out = vec![0f32; q.len()];
+    for (task, part) in parts.iter().enumerate() {
+        let (bh, blk) = (task / blocks, task % blocks);
+        let (b, h) = (bh / heads, bh % heads);
+        for (r, row) in part.chunks_exact(d).enumerate() {
+            let t = blk * QUERY_BLOCK + r;
+            let dst = ((b * s + t) * heads + h) * d;
+            out[dst..dst + d].copy_from_slice(row);
+        }
+    }
+    out
+}
+
+/// One query against the first `visible` keys and values, with the best code path for the CPU.
+fn head_query(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    visible: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the features were just detected.
+        return unsafe { head_query_avx2(q, keys, values, visible, scale, scores, out) };
+    }
+    head_query_portable(q, keys, values, visible, scale, scores, out)
+}
+
+/// [`head_query_portable`] compiled for AVX2 + FMA, so that its loops vectorise 8 lanes wide.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn head_query_avx2(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    visible: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    head_query_portable(q, keys, values, visible, scale, scores, out)
+}
+
+/// Scores `q · k_j · scale`, softmax (max-subtracted, F32), `out = Σ_j p_j v_j`.
+#[inline(always)]
+fn head_query_portable(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    visible: usize,
+    scale: f32,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let d = q.len();
+    scores.clear();
+    scores.extend(
+        keys.chunks_exact(d)
+            .take(visible)
+            .map(|k| dot(q, k) * scale),
+    );
+    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    let mut sum = 0f32;
+    for x in scores.iter_mut() {
+        *x = (*x - max).exp();
+        sum += *x;
+    }
+    out.fill(0.0);
+    for (&p, v) in scores.iter().zip(values.chunks_exact(d)) {
+        for (o, &x) in out.iter_mut().zip(v) {
+            *o += p * x;
+        }
+    }
+    let inv = 1.0 / sum;
+    out.iter_mut().for_each(|o| *o *= inv);
+}
+
+/// A dot product in eight independent lanes (so that it vectorises), then summed.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ac.zip(bc) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}

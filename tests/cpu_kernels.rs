@@ -1,0 +1,256 @@
+//! The CPU kernels around the experts against f64 references on random inputs: the BF16
+//! matmul of the non-expert weights (on each instruction-set path), `DenseLinear`, and the
+//! fused attention over the in-place KV cache at short and 4096-token contexts.
+
+use candle::{DType, Device, Module, Tensor};
+use candle_qmoe::kernels::attention::{attend, KvCache};
+use candle_qmoe::kernels::cpu::CpuIsa;
+use candle_qmoe::kernels::dense::bf16_matmul;
+use candle_qmoe::DenseLinear;
+use candle_qmoe_suite::testing::{isa_trials, Rng};
+use half::bf16;
+use libtest_mimic::{Arguments, Trial};
+
+/// `(m, k, n)`: decode and small-M tiles, K with a tail that is not a multiple of 8, N not a
+/// multiple of the row tiles, and a model-like width.
+const MATMUL_SHAPES: [(usize, usize, usize); 9] = [
+    (1, 8, 1),
+    (1, 2048, 200),
+    (1, 1411, 67),
+    (2, 64, 9),
+    (3, 96, 16),
+    (4, 72, 13),
+    (5, 1408, 130),
+    (17, 256, 70),
+    (64, 2048, 33),
+];
+
+/// Random BF16 weights (std 0.02) and F32 activations of RMSNorm-ed scale with outliers.
+fn matmul_inputs(rng: &mut Rng, m: usize, k: usize, n: usize) -> (Vec<f32>, Vec<bf16>) {
+    let mut x = rng.normals(m * k, 1.0);
+    for v in x.iter_mut().step_by(37) {
+        *v *= 8.0;
+    }
+    let w = rng
+        .normals(n * k, 0.02)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    (x, w)
+}
+
+/// Checks `y` against the f64 product of the same (BF16-exact) weights. The kernel widens each
+/// weight exactly, so only F32 accumulation separates it from f64: `|err| ≤ k · 2⁻²⁴ · Σ|x·w|`
+/// (the worst-case bound of recursive summation, whatever the order).
+fn check_matmul(y: &[f32], x: &[f32], w: &[bf16], m: usize, k: usize, n: usize, what: &str) {
+    assert_eq!(y.len(), m * n, "{what}: output length");
+    for t in 0..m {
+        for r in 0..n {
+            let (xs, ws) = (&x[t * k..(t + 1) * k], &w[r * k..(r + 1) * k]);
+            let exact: f64 = xs
+                .iter()
+                .zip(ws)
+                .map(|(&a, &b)| a as f64 * b.to_f64())
+                .sum();
+            let mag: f64 = xs
+                .iter()
+                .zip(ws)
+                .map(|(&a, &b)| (a as f64 * b.to_f64()).abs())
+                .sum();
+            let bound = k as f64 * 2f64.powi(-24) * mag;
+            let err = (y[t * n + r] as f64 - exact).abs();
+            assert!(
+                err <= bound,
+                "{what}: y[{t},{r}] off by {err:e} > {bound:e}"
+            );
+        }
+    }
+}
+
+fn bf16_matmul_trials(name: &str, isa: CpuIsa) -> Vec<Trial> {
+    vec![Trial::test(
+        format!("{name}::bf16_matmul_matches_f64_reference"),
+        move || {
+            let mut rng = Rng::new(11);
+            for (m, k, n) in MATMUL_SHAPES {
+                let (x, w) = matmul_inputs(&mut rng, m, k, n);
+                let y = bf16_matmul(isa, &x, m, k, &w, n);
+                check_matmul(&y, &x, &w, m, k, n, &format!("{isa:?} m{m} k{k} n{n}"));
+                // One dot product per element in a fixed order: thread count does not matter.
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build()?;
+                let single = pool.install(|| bf16_matmul(isa, &x, m, k, &w, n));
+                assert_eq!(
+                    y, single,
+                    "{isa:?} m{m} k{k} n{n}: differs between thread counts"
+                );
+            }
+            Ok(())
+        },
+    )]
+}
+
+/// `DenseLinear` on BF16 weights (with a bias, leading batch dims) equals the kernel plus the
+/// bias, and is within BF16-free F32 rounding of Candle's F32 `Linear` on the same values.
+fn dense_linear_matches_candle_f32() {
+    let dev = Device::Cpu;
+    let mut rng = Rng::new(5);
+    let (m, k, n) = (6, 320, 48);
+    let (x, w) = matmul_inputs(&mut rng, m, k, n);
+    let bias = rng.normals(n, 0.1);
+    let xt = Tensor::from_vec(x.clone(), (2, 3, k), &dev).unwrap();
+    let wt = Tensor::from_vec(w.clone(), (n, k), &dev).unwrap();
+    let bt = Tensor::from_vec(bias.clone(), n, &dev).unwrap();
+    let lin = DenseLinear::new(wt.clone(), Some(bt.to_dtype(DType::BF16).unwrap())).unwrap();
+    let got = lin.forward(&xt).unwrap();
+    assert_eq!(got.dims(), [2, 3, n]);
+    assert_eq!(got.dtype(), DType::F32);
+    let f32_lin = candle_nn::Linear::new(
+        wt.to_dtype(DType::F32).unwrap(),
+        Some(
+            bt.to_dtype(DType::BF16)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap(),
+        ),
+    );
+    let want = f32_lin.forward(&xt).unwrap();
+    let diff = (got - want)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    // Both are F32 sums of the same exact products: k · 2⁻²⁴ · Σ|x·w| ≤ 320 · 6e-8 · ~20.
+    assert!(diff < 5e-4, "DenseLinear vs Candle F32: max diff {diff}");
+    // The portable path is selectable and gives the same values within the same bound.
+    let portable = lin
+        .clone()
+        .with_isa(CpuIsa::Scalar)
+        .unwrap()
+        .forward(&xt)
+        .unwrap();
+    let y = portable.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let unbiased: Vec<f32> = y
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v - bf16::from_f32(bias[i % n]).to_f32())
+        .collect();
+    check_matmul(&unbiased, &x, &w, m, k, n, "portable DenseLinear");
+}
+
+/// f64 causal attention of the last `s` of `len` positions: `q [s, heads, d]`,
+/// `k`, `v [len, kv_heads, d]` token-major.
+#[allow(clippy::too_many_arguments)]
+fn attention_f64(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    s: usize,
+    len: usize,
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+) -> Vec<f64> {
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut out = vec![0f64; s * heads * d];
+    for t in 0..s {
+        let visible = len - s + t + 1;
+        for h in 0..heads {
+            let g = h / (heads / kv_heads);
+            let qv = &q[(t * heads + h) * d..][..d];
+            let scores: Vec<f64> = (0..visible)
+                .map(|j| {
+                    let kv = &k[(j * kv_heads + g) * d..][..d];
+                    qv.iter()
+                        .zip(kv)
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum::<f64>()
+                        * scale
+                })
+                .collect();
+            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let p: Vec<f64> = scores.iter().map(|x| (x - max).exp()).collect();
+            let sum: f64 = p.iter().sum();
+            let o = &mut out[(t * heads + h) * d..][..d];
+            for (j, pj) in p.iter().enumerate() {
+                let vv = &v[(j * kv_heads + g) * d..][..d];
+                for (oi, &x) in o.iter_mut().zip(vv) {
+                    *oi += pj / sum * x as f64;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Fills a cache chunk by chunk (a prefill, then decode steps, crossing the growth
+/// boundaries) and checks the attention of the chunks after the first `silent` ones (which
+/// are only appended, as a long prompt before the measured steps) against the f64 reference.
+fn attention_case(chunks: &[usize], silent: usize, heads: usize, kv_heads: usize, d: usize) {
+    let mut rng = Rng::new((chunks.len() * 1000 + heads * 10 + d) as u64);
+    let total: usize = chunks.iter().sum();
+    // Keys of unit-ish scale: scores of a few units, as after q/k norms.
+    let k_all = rng.normals(total * kv_heads * d, 1.0);
+    let v_all = rng.normals(total * kv_heads * d, 1.0);
+    let mut cache = KvCache::new(1, kv_heads, d);
+    let mut len = 0;
+    for (i, &s) in chunks.iter().enumerate() {
+        let (a, b) = (len * kv_heads * d, (len + s) * kv_heads * d);
+        cache.append(&k_all[a..b], &v_all[a..b], s);
+        len += s;
+        if i < silent {
+            continue;
+        }
+        let q = rng.normals(s * heads * d, 1.0);
+        let got = attend(&q, &cache, s, heads, 1.0 / (d as f32).sqrt());
+        let want = attention_f64(&q, &k_all[..b], &v_all[..b], s, len, heads, kv_heads, d);
+        // Scores carry F32 dot-product rounding (~d · 2⁻²⁴ · Σ|q·k| ≈ 1e-5 absolute), which
+        // moves each softmax weight by that relative amount; outputs are convex combinations
+        // of values of size ~1, so 1e-4 absolute is a safe bound.
+        let err = got
+            .iter()
+            .zip(&want)
+            .map(|(&g, &w)| (g as f64 - w).abs())
+            .fold(0f64, f64::max);
+        assert!(err < 1e-4, "s {s} at length {len}: max error {err:e}");
+    }
+    assert_eq!(cache.len(), total);
+    assert!(cache.capacity() >= total && cache.capacity() < total + total / 2 + 512);
+}
+
+fn main() {
+    let args = Arguments::from_args();
+    let mut all = isa_trials(
+        "dense",
+        &[("portable", CpuIsa::Scalar), ("avx2", CpuIsa::Avx2)],
+        bf16_matmul_trials,
+    );
+    all.push(Trial::test("dense_linear_matches_candle_f32", || {
+        dense_linear_matches_candle_f32();
+        Ok(())
+    }));
+    all.push(Trial::test(
+        "attention_matches_f64_at_short_context_with_gqa",
+        || {
+            // A prefill, decode steps, a second prefill chunk; 8 heads over 2 kv heads.
+            attention_case(&[7, 1, 1, 1, 3, 1], 0, 8, 2, 64);
+            attention_case(&[1, 1, 1], 0, 4, 4, 128);
+            // A 300-token prefill crosses the first growth step (256 positions).
+            attention_case(&[300, 1], 0, 2, 1, 32);
+            Ok(())
+        },
+    ));
+    all.push(Trial::test("attention_matches_f64_at_4096_context", || {
+        // 4000 positions cached, then decode steps to 4096 across a growth step.
+        let mut chunks = vec![4000];
+        chunks.extend(std::iter::repeat_n(1, 6));
+        chunks.push(90);
+        attention_case(&chunks, 1, 8, 2, 64);
+        Ok(())
+    }));
+    libtest_mimic::run(&args, all).exit();
+}
