@@ -96,9 +96,8 @@ struct Args {
     /// Where the model runs.
     #[arg(long, value_enum, default_value = "cuda")]
     device: DeviceKind,
-    /// Compute dtype of everything except the routed experts (default: bf16 on cuda, f32 on
-    /// cpu).
-    #[arg(long, value_enum)]
+    /// Dtype of the non-expert weights (default bf16; on the CPU computed with F32
+    /// activations, which the KV cache and workspace then hold).
     dtype: Option<Dtype>,
     /// Write the plan to this JSON file.
     #[arg(long)]

@@ -13,7 +13,7 @@ use std::str::FromStr;
 use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
-use candle::{DType, Device};
+use candle::Device;
 use candle_qmoe::generation::{argmax, generate};
 use candle_qmoe::models::{AnyConfig, ModelConfig};
 use candle_qmoe::pack::GroupSize;
@@ -125,13 +125,14 @@ impl Config {
         self.ctx + 1 - self.new_tokens
     }
 
-    /// The plan of this configuration on the CPU: F32 compute, INT4 experts in groups of 128,
+    /// The plan of this configuration on the CPU: the default dtypes (BF16 weights, F32
+    /// activations), INT4 experts in groups of 128,
     /// batch 1, prefill in the chunks `generate` uses, and the cache's residency with the
     /// runtime's default staging ring (no cache: full residency).
     pub fn plan(&self) -> Result<Plan> {
         let spec = AnyConfig::from_json_str(&self.kind.config_json().to_string())?.spec()?;
         let options = PlanOptions {
-            dtype: DType::F32,
+            dtype: Target::Cpu.default_dtype(),
             experts: ExpertStorage::Int4(GroupSize::default()),
             ctx: Some(self.ctx),
             batch: 1,
@@ -155,7 +156,7 @@ impl Config {
                 ..Default::default()
             }),
         };
-        let mut model = synth.load(DType::F32, &Device::Cpu, &experts)?;
+        let mut model = synth.load(Target::Cpu.default_dtype(), &Device::Cpu, &experts)?;
         let load_s = start.elapsed().as_secs_f64();
         let vocab = synth.spec().vocab_size as u64;
         // Deterministic ids spread over the vocabulary.

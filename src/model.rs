@@ -31,12 +31,12 @@ pub enum Experts {
     F32,
 }
 
-/// `--dtype`: the compute dtype of the non-expert weights.
+/// `--dtype`: the dtype of the non-expert weights.
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum Dtype {
-    /// 32-bit floats (the CPU default).
+    /// 32-bit floats (twice the checkpoint's bytes; the reference path).
     F32,
-    /// bfloat16 (the GPU default).
+    /// bfloat16, the checkpoint's own (the default; on the CPU computed with F32 activations).
     Bf16,
     /// IEEE half precision.
     F16,
@@ -87,8 +87,9 @@ pub struct ModelArgs {
     /// its own and must match when this is given.
     #[arg(long)]
     pub group_size: Option<usize>,
-    /// Compute dtype of everything except the routed experts (default: f32 on the CPU, bf16 on
-    /// a GPU).
+    /// Dtype of the non-expert weights (attention, routers, shared experts, dense MLPs,
+    /// lm_head); default bf16, the checkpoint's. On the CPU, bf16 weights are computed with F32
+    /// activations by our own kernels.
     #[arg(long, value_enum)]
     pub dtype: Option<Dtype>,
     /// Run on the CPU even when a GPU is available.

@@ -194,12 +194,12 @@ fn qwen2moe_tiny_components_by_hand_on_cpu() {
     );
     // embed + lm_head 262144; final norm 256; per layer q,k,v 196608 + bias 768, o 65536,
     // norms 512, router 2048, shared expert 3·256·384 = 294912 + its gate 256 → 560640, ×2;
-    // RoPE 512·64 = 32768. 1416448 elements × 4 bytes (F32, the CPU default).
-    assert_eq!(bytes(&plan, Component::NonExpertWeights), x(1_416_448 * 4));
+    // RoPE 512·64 = 32768. 1416448 elements × 2 bytes (BF16, the default).
+    assert_eq!(bytes(&plan, Component::NonExpertWeights), x(1_416_448 * 2));
     // On the CPU the pack is host memory too; fully resident experts are read from it in place.
     assert_eq!(bytes(&plan, Component::PackSource), x(16 * slab));
     assert_eq!(bytes(&plan, Component::ExpertCache), x(0));
-    // ctx defaults to max_position_embeddings = 512; batch 2.
+    // ctx defaults to max_position_embeddings = 512; batch 2; F32, the activations' dtype.
     assert_eq!(
         bytes(&plan, Component::KvCache),
         x(2 * 2 * 4 * 64 * 512 * 2 * 4)
@@ -209,12 +209,13 @@ fn qwen2moe_tiny_components_by_hand_on_cpu() {
         x(0),
         "no staging at full residency"
     );
-    // 2 × 128 tokens: residual 2..4 × 256·256·4; attention q,k,v 256·12·64·4 = 786432 (×2 at
-    // most), previous KV 2·2·4·64·512·4 = 2097152, mask 128·512·4 = 262144, scores
-    // 2·4·128·512 = 524288 elements × 8..20 bytes.
+    // 2 × 128 tokens in F32 activations: residual 2..4 × 256·256·4; attention q,k,v
+    // 256·12·64·4 = 786432 (×2 at most), the KV cache of a layer while it grows
+    // 2·2·4·64·512·4 = 2097152, mask 128·512·4 = 262144, fused scores: a row per sequence and
+    // head, 2·4·512 = 4096 elements × 8..20 bytes.
     let attention = r(
-        786_432 + 2_097_152 + 262_144 + 524_288 * 8,
-        2 * 786_432 + 2_097_152 + 262_144 + 524_288 * 20,
+        786_432 + 2_097_152 + 262_144 + 4096 * 8,
+        2 * 786_432 + 2_097_152 + 262_144 + 4096 * 20,
     );
     assert_eq!(
         bytes(&plan, Component::Workspace),

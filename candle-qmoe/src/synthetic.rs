@@ -525,7 +525,7 @@ fn non_expert_tensors(spec: &ModelSpec) -> Vec<(String, Vec<usize>, Init)> {
     out
 }
 
-/// A model with the real shapes and deterministic random weights: the non-expert tensors (F32,
+/// A model with the real shapes and deterministic random weights: the non-expert tensors (BF16,
 /// on the CPU) for a VarBuilder and the routed experts as an in-memory INT4 [`PackFile`].
 ///
 /// The same kind, seed and group size always give the same weights, whatever the thread count.
@@ -553,7 +553,10 @@ impl SyntheticModel {
                     Init::Ones => vec![1f32; n],
                     Init::Uniform(std) => uniform(name_seed(seed, &name), n, std),
                 };
-                Ok((name, Tensor::from_vec(values, shape, &Device::Cpu)?))
+                // Stored in BF16, as checkpoints are: the default path computes from these
+                // bytes, and an F32 VarBuilder widens them exactly.
+                let t = Tensor::from_vec(values, shape, &Device::Cpu)?.to_dtype(DType::BF16)?;
+                Ok((name, t))
             })
             .collect::<candle::Result<HashMap<_, _>>>()?;
         let moe = spec.uniform_moe()?;
@@ -626,7 +629,7 @@ impl SyntheticModel {
     }
 
     /// A VarBuilder over the non-expert weights, converted to `dtype` on `device` as read
-    /// (on the CPU in F32 no copy is made).
+    /// (on the CPU in BF16 no copy is made).
     pub fn var_builder(&self, dtype: DType, device: &Device) -> VarBuilder<'static> {
         VarBuilder::from_tensors(self.tensors.clone(), dtype, device)
     }

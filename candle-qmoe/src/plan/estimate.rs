@@ -44,12 +44,25 @@ impl Target {
         }
     }
 
-    /// The default compute dtype of the non-expert weights: F32 on the CPU, BF16 on a GPU.
+    /// The default dtype of the non-expert weights: BF16, the checkpoints' own (on the CPU
+    /// computed with F32 activations, see [`Self::activation_dtype`]).
     pub fn default_dtype(self) -> DType {
+        DType::BF16
+    }
+
+    /// The dtype activations are computed in for non-expert weights of `weights`: as
+    /// [`crate::linear::activation_dtype`] on this target.
+    pub fn activation_dtype(self, weights: DType) -> DType {
         match self {
-            Self::Cpu => DType::F32,
-            Self::Cuda => DType::BF16,
+            Self::Cpu if weights == DType::BF16 => DType::F32,
+            _ => weights,
         }
+    }
+
+    /// Whether attention runs the fused CPU kernel over an in-place F32 KV cache (else Candle
+    /// tensor code that concatenates the cache and repeats kv heads).
+    fn fused_attention(self, weights: DType) -> bool {
+        self == Self::Cpu && self.activation_dtype(weights) == DType::F32
     }
 
     /// The name used on command lines and in evidence files (`cpu`, `cuda`).
@@ -118,7 +131,8 @@ impl ExpertStorage {
 pub struct PlanOptions {
     /// Where the model runs.
     pub target: Target,
-    /// Compute dtype of everything but the routed experts (BF16, F16 or F32).
+    /// Dtype of the non-expert weights (BF16, F16 or F32); activations are in
+    /// [`Target::activation_dtype`] of it.
     pub dtype: DType,
     /// How the routed experts are stored.
     pub experts: ExpertStorage,
@@ -196,7 +210,7 @@ fn non_expert_elements(spec: &ModelSpec) -> u64 {
 /// positions (the last prefill chunk): the residual stream, plus the largest of the attention
 /// stage, the feed-forward stage and the logits.
 fn workspace(spec: &ModelSpec, opts: &PlanOptions, ctx: usize) -> ByteRange {
-    let dt = opts.dtype.size_in_bytes();
+    let dt = opts.target.activation_dtype(opts.dtype).size_in_bytes();
     let (b, h, v) = (opts.batch, spec.hidden_size, spec.vocab_size);
     let chunk = opts.prefill_chunk.min(ctx);
     let n = b * chunk;
@@ -204,18 +218,25 @@ fn workspace(spec: &ModelSpec, opts: &PlanOptions, ctx: usize) -> ByteRange {
     let residual = ByteRange::new(2 * hidden, 4 * hidden);
 
     // q, k, v (and their rotated, contiguous copies); the previous KV cache of a layer while
-    // the longer one is concatenated; K/V repeated to every query head under GQA; the scores
-    // (at least the softmax's F32 input next to the probabilities in the dtype; at most also
-    // the matmul result and the scaled and masked copies); the F32 causal mask.
+    // the longer one is concatenated (or, fused, while it grows into a new allocation); K/V
+    // repeated to every query head under GQA (not fused); the scores (at least the softmax's
+    // F32 input next to the probabilities in the dtype; at most also the matmul result and the
+    // scaled and masked copies; fused, at most one row per sequence and head); the F32 causal
+    // mask.
+    let fused = opts.target.fused_attention(opts.dtype);
     let (nh, nkv, hd) = (spec.num_heads, spec.num_kv_heads, spec.head_dim);
     let qkv = product(&[n, nh + 2 * nkv, hd, dt]);
     let kv_grow = product(&[b, 2, nkv, hd, ctx, dt]);
-    let repeat = if nh == nkv {
+    let repeat = if nh == nkv || fused {
         0
     } else {
         product(&[b, 2, nh, hd, ctx, dt])
     };
-    let scores = product(&[b, nh, chunk, ctx]);
+    let scores = if fused {
+        product(&[b, nh, ctx])
+    } else {
+        product(&[b, nh, chunk, ctx])
+    };
     let mask = product(&[chunk, ctx, 4]);
     let fixed = kv_grow + repeat + mask;
     let attention = ByteRange::new(
@@ -331,6 +352,10 @@ impl Plan {
             ExpertStorage::Dense(_) => 0,
         };
         let dt = o.dtype.size_in_bytes();
+        // The KV cache holds activations (F32 on the CPU with BF16 weights). The fused path
+        // allocates ahead in chunks, but zeroed pages are mapped only when written: what it
+        // holds is the positions used.
+        let kv_dt = o.target.activation_dtype(o.dtype).size_in_bytes();
         let kv_cache = product(&[
             spec.num_layers(),
             2,
@@ -338,7 +363,7 @@ impl Plan {
             spec.head_dim,
             ctx,
             o.batch,
-            dt,
+            kv_dt,
         ]);
         let exact = |component, bytes| ComponentBytes {
             component,
