@@ -167,13 +167,19 @@ fn run_one(
         "token_ids_block0": campaign.responses.iter().filter(|r| r.block == 0)
             .map(|r| &r.tokens).collect::<Vec<_>>(),
     });
-    if let (Value::Object(run), Value::Object(fields)) = (&mut run, fields) {
-        run.extend(fields);
+    let traffic = candle_qmoe_suite::perf::traffic_json(&loaded.model, metrics.decode_tokens_per_s);
+    for fields in [fields, traffic.clone()] {
+        if let (Value::Object(run), Value::Object(fields)) = (&mut run, fields) {
+            run.extend(fields);
+        }
     }
     let d = &metrics;
     println!(
-        "{label}: decode {} | block spread {} | TTFT {} | prefill {} | peak RSS {}{}",
+        "{label}: decode {} ({} weights/token, {}) | block spread {} | TTFT {} | prefill {} | \
+         peak RSS {}{}",
         fmt_opt(d.decode_tokens_per_s, |v| format!("{v:.2} tok/s")),
+        candle_qmoe::plan::format_bytes(loaded.model.weight_bytes_per_token() as u64),
+        fmt_opt(traffic["gb_per_s"].as_f64(), |v| format!("{v:.1} GB/s")),
         fmt_opt(d.block_spread, |v| format!("{:.1}%", 100.0 * v)),
         fmt_opt(d.ttft_mean_s, |v| format!("{v:.3} s")),
         fmt_opt(d.prefill_tokens_per_s, |v| format!("{v:.1} tok/s")),

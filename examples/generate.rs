@@ -179,13 +179,18 @@ fn report(
 ) -> Result<()> {
     let rss = candle_qmoe_suite::system::peak_rss_bytes();
     let decode = g.decode_tokens_per_s();
+    let traffic = candle_qmoe_suite::perf::traffic_json(&loaded.model, decode);
     println!(
-        "stats: {} prompt tokens, {:.2} tok/s | {} generated tokens, {} decode | time to first \
-         token {:.3} s | peak RSS {} | stop: {:?}",
+        "stats: {} prompt tokens, {:.2} tok/s | {} generated tokens, {} decode ({} weights per \
+         token, {}) | time to first token {:.3} s | peak RSS {} | stop: {:?}",
         g.prompt_tokens,
         g.prompt_tokens_per_s(),
         g.tokens.len(),
         decode.map_or("n/a".to_string(), |d| format!("{d:.2} tok/s")),
+        candle_qmoe::plan::format_bytes(loaded.model.weight_bytes_per_token() as u64),
+        traffic["gb_per_s"]
+            .as_f64()
+            .map_or("n/a".to_string(), |v| format!("{v:.1} GB/s")),
         g.time_to_first_token.as_secs_f64(),
         rss.map_or("n/a".to_string(), candle_qmoe::plan::format_bytes),
         g.stop
@@ -222,6 +227,10 @@ fn report(
             "repeat_penalty": args.repeat_penalty,
             "token_ids": g.tokens,
             "residency": candle_qmoe_suite::model::residency_json(loaded.residency.as_ref()),
+            "bytes_per_token": traffic["bytes_per_token"],
+            "gb_per_s": traffic["gb_per_s"],
+            "dense_weights": traffic["dense_weights"],
+            "activations": traffic["activations"],
         });
         std::fs::write(path, serde_json::to_string_pretty(&stats)? + "\n")
             .with_context(|| format!("cannot write `{}`", path.display()))?;

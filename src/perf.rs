@@ -12,6 +12,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{bail, Context, Result};
 use candle::{DType, Tensor, D};
 use candle_qmoe::generation::generate;
+use candle_qmoe::models::MoeForCausalLm;
 use candle_qmoe::residency::ResidencyStats;
 use serde::Serialize;
 
@@ -117,6 +118,20 @@ pub struct Response {
     /// The generated ids.
     #[serde(skip)]
     pub tokens: Vec<u32>,
+}
+
+/// The memory traffic of decode for the evidence files: `bytes_per_token` (the weight bytes
+/// one decoded token reads, [`MoeForCausalLm::weight_bytes_per_token`]), the achieved
+/// `gb_per_s` at `decode_tokens_per_s`, and the dtypes the non-expert weights
+/// (`dense_weights`) and activations ran in.
+pub fn traffic_json(model: &MoeForCausalLm, decode_tokens_per_s: Option<f64>) -> serde_json::Value {
+    let bytes = model.weight_bytes_per_token();
+    serde_json::json!({
+        "bytes_per_token": bytes,
+        "gb_per_s": decode_tokens_per_s.map(|r| r * bytes as f64 / 1e9),
+        "dense_weights": format!("{:?}", model.dtype()).to_lowercase(),
+        "activations": format!("{:?}", model.activation_dtype()).to_lowercase(),
+    })
 }
 
 /// Decode rate over `responses`: Σ(generated − 1) / Σ(decode time after the first token),

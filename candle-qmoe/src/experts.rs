@@ -21,6 +21,9 @@ pub trait RoutedExperts: Send + Sync {
     fn num_experts(&self) -> usize;
     /// Model hidden size.
     fn hidden_size(&self) -> usize;
+    /// Bytes of one expert's weights as this backend reads them (an INT4 slab, or the dense
+    /// or GGML-quantized matrices): what a token routed to it costs in memory traffic.
+    fn bytes_per_expert(&self) -> usize;
     /// The weighted sum of the chosen experts' outputs.
     fn forward(&self, xs: &Tensor, expert_ids: &Tensor, weights: &Tensor)
         -> candle::Result<Tensor>;
@@ -145,6 +148,13 @@ impl RoutedExperts for DenseExperts {
     fn hidden_size(&self) -> usize {
         self.hidden
     }
+    fn bytes_per_expert(&self) -> usize {
+        let e = &self.experts[0];
+        [&e.gate, &e.up, &e.down]
+            .iter()
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum()
+    }
     fn forward(
         &self,
         xs: &Tensor,
@@ -173,6 +183,7 @@ impl RoutedExperts for DenseExperts {
 pub struct GgmlExperts {
     experts: Vec<[QMatMul; 3]>,
     hidden: usize,
+    bytes_per_expert: usize,
 }
 
 impl GgmlExperts {
@@ -181,6 +192,8 @@ impl GgmlExperts {
         let dense = DenseExperts::new(experts.to_vec())?;
         let q =
             |t: &Tensor| QMatMul::from_qtensor(QTensor::quantize(&t.to_dtype(DType::F32)?, dtype)?);
+        let bytes_per_expert =
+            3 * dense.hidden * dense.experts[0].up.dim(0)? / dtype.block_size() * dtype.type_size();
         let experts = dense
             .experts
             .iter()
@@ -189,6 +202,7 @@ impl GgmlExperts {
         Ok(Self {
             experts,
             hidden: dense.hidden,
+            bytes_per_expert,
         })
     }
 }
@@ -199,6 +213,9 @@ impl RoutedExperts for GgmlExperts {
     }
     fn hidden_size(&self) -> usize {
         self.hidden
+    }
+    fn bytes_per_expert(&self) -> usize {
+        self.bytes_per_expert
     }
     fn forward(
         &self,
@@ -310,6 +327,9 @@ impl RoutedExperts for Int4Experts {
     }
     fn hidden_size(&self) -> usize {
         self.pack.layout().hidden
+    }
+    fn bytes_per_expert(&self) -> usize {
+        self.pack.layout().slab_bytes()
     }
     fn forward(
         &self,

@@ -64,6 +64,12 @@ impl DenseLinear {
         self.inner.weight()
     }
 
+    /// Bytes of the weight and bias: what one token's projection reads.
+    pub fn weight_bytes(&self) -> usize {
+        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        bytes(self.weight()) + self.inner.bias().map_or(0, bytes)
+    }
+
     /// Forces the instruction set of the CPU kernel (e.g. the portable path in tests); an
     /// instruction set this CPU lacks is refused.
     pub fn with_isa(mut self, isa: CpuIsa) -> candle::Result<Self> {

@@ -24,6 +24,16 @@ impl GatedMlp {
     }
 }
 
+impl GatedMlp {
+    /// Bytes of the three projections: what one token reads.
+    pub fn weight_bytes(&self) -> usize {
+        [&self.gate_proj, &self.up_proj, &self.down_proj]
+            .iter()
+            .map(|l| l.weight_bytes())
+            .sum()
+    }
+}
+
 impl Module for GatedMlp {
     fn forward(&self, xs: &Tensor) -> candle::Result<Tensor> {
         let gate = candle_nn::ops::silu(&self.gate_proj.forward(xs)?)?;

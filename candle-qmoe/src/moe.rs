@@ -42,6 +42,13 @@ impl SharedExpert {
     }
 }
 
+impl SharedExpert {
+    /// Bytes of the MLP and its gate: what one token reads.
+    pub fn weight_bytes(&self) -> usize {
+        self.mlp.weight_bytes() + self.gate.weight_bytes()
+    }
+}
+
 impl Module for SharedExpert {
     fn forward(&self, xs: &Tensor) -> candle::Result<Tensor> {
         let g = candle_nn::ops::sigmoid(&self.gate.forward(xs)?)?;
@@ -189,6 +196,14 @@ impl SparseMoe {
             up: vb.get((intermediate, hidden), "up_proj.weight")?,
             down: vb.get((hidden, intermediate), "down_proj.weight")?,
         })
+    }
+
+    /// Weight bytes one token reads in this block: the router, its top-k experts and the
+    /// shared expert.
+    pub fn weight_bytes_per_token(&self) -> usize {
+        self.router.weight_bytes()
+            + self.top_k * self.experts.bytes_per_expert()
+            + self.shared.as_ref().map_or(0, SharedExpert::weight_bytes)
     }
 
     /// The routed-experts backend.

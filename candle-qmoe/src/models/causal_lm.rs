@@ -248,6 +248,21 @@ impl MoeForCausalLm {
         self.activations
     }
 
+    /// Weight bytes one decoded token reads: every layer's norms, attention and feed-forward
+    /// (a MoE layer's router, top-k experts and shared expert), the final norm, `lm_head` and
+    /// one embedding row. With the KV cache this is the memory traffic that bounds decode.
+    pub fn weight_bytes_per_token(&self) -> usize {
+        let embeddings = self.embed_tokens.embeddings();
+        let embedding_row = embeddings.dim(1).unwrap_or(0) * embeddings.dtype().size_in_bytes();
+        self.layers
+            .iter()
+            .map(DecoderLayer::weight_bytes_per_token)
+            .sum::<usize>()
+            + self.norm.weight_bytes()
+            + self.lm_head.weight_bytes()
+            + embedding_row
+    }
+
     /// Bytes the KV caches of all layers hold allocated.
     pub fn kv_cache_bytes(&self) -> usize {
         self.layers

@@ -41,6 +41,13 @@ impl RmsNorm {
     }
 }
 
+impl RmsNorm {
+    /// Bytes of the weight.
+    pub fn weight_bytes(&self) -> usize {
+        self.weight.elem_count() * self.weight.dtype().size_in_bytes()
+    }
+}
+
 impl Module for RmsNorm {
     fn forward(&self, xs: &Tensor) -> candle::Result<Tensor> {
         if xs.dtype() == DType::F32 && xs.is_contiguous() {
@@ -333,6 +340,18 @@ impl Attention {
         }
     }
 
+    /// Bytes of the projections and norms: what one token reads (the KV cache aside).
+    pub fn weight_bytes(&self) -> usize {
+        [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
+            .iter()
+            .map(|l| l.weight_bytes())
+            .sum::<usize>()
+            + [&self.q_norm, &self.k_norm]
+                .iter()
+                .filter_map(|n| n.as_ref().map(RmsNorm::weight_bytes))
+                .sum::<usize>()
+    }
+
     /// Bytes the KV cache holds allocated (keys and values).
     pub fn kv_cache_bytes(&self) -> usize {
         match &self.kv_cache {
@@ -387,6 +406,15 @@ impl FeedForward {
                     shared,
                 )?))
             }
+        }
+    }
+
+    /// Weight bytes one token reads: the dense MLP, or the MoE block's router, top-k experts
+    /// and shared expert.
+    pub fn weight_bytes_per_token(&self) -> usize {
+        match self {
+            Self::Dense(mlp) => mlp.weight_bytes(),
+            Self::Moe(moe) => moe.weight_bytes_per_token(),
         }
     }
 
@@ -445,6 +473,14 @@ impl DecoderLayer {
             .mlp
             .forward(&self.post_attention_layernorm.forward(&xs)?)?;
         Ok(((xs + ffn)?, router_logits))
+    }
+
+    /// Weight bytes one token reads in this layer (norms, attention, feed-forward).
+    pub fn weight_bytes_per_token(&self) -> usize {
+        self.input_layernorm.weight_bytes()
+            + self.self_attn.weight_bytes()
+            + self.post_attention_layernorm.weight_bytes()
+            + self.mlp.weight_bytes_per_token()
     }
 
     /// The feed-forward block.

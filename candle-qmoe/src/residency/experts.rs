@@ -166,6 +166,9 @@ impl<B: ExpertCompute> RoutedExperts for ResidentExperts<B> {
     fn hidden_size(&self) -> usize {
         self.hidden
     }
+    fn bytes_per_expert(&self) -> usize {
+        self.store().layout().slab_bytes()
+    }
     fn forward(
         &self,
         xs: &Tensor,
