@@ -24,7 +24,7 @@ use candle_qmoe::plan::{
 };
 use candle_qmoe::residency::Resident;
 use candle_qmoe::synthetic::SyntheticKind;
-use candle_qmoe_suite::model::{parse_arg, parse_budget, Dtype, Experts};
+use candle_qmoe_suite::model::{parse_arg, parse_budget, DenseWeights, Experts};
 use clap::{ArgGroup, Parser, ValueEnum};
 use serde_json::json;
 
@@ -96,9 +96,10 @@ struct Args {
     /// Where the model runs.
     #[arg(long, value_enum, default_value = "cuda")]
     device: DeviceKind,
-    /// Dtype of the non-expert weights (default bf16; on the CPU computed with F32
-    /// activations, which the KV cache and workspace then hold).
-    dtype: Option<Dtype>,
+    /// Non-expert weights (default bf16; on the CPU computed with F32 activations, which the
+    /// KV cache and workspace then hold; int8 is CPU only).
+    #[arg(long, value_enum, alias = "dtype")]
+    dense_weights: Option<DenseWeights>,
     /// Write the plan to this JSON file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -147,7 +148,10 @@ fn main() -> Result<()> {
     };
     let options = PlanOptions {
         target,
-        dtype: args.dtype.map_or(target.default_dtype(), Dtype::dtype),
+        dtype: args
+            .dense_weights
+            .map_or(target.default_dtype(), DenseWeights::dtype),
+        dense_int8: args.dense_weights == Some(DenseWeights::Int8),
         experts: args.experts.storage(Some(args.group_size))?,
         ctx: args.ctx,
         batch: args.batch,
@@ -214,6 +218,7 @@ fn main() -> Result<()> {
             "model_type": spec.model_type,
             "device": target.name(),
             "dtype": format!("{:?}", plan.options().dtype).to_lowercase(),
+            "dense_int8": plan.options().dense_int8,
             "experts": format!("{:?}", args.experts).to_lowercase(),
             "group_size": (args.experts == Experts::Int4).then_some(args.group_size),
             "ctx": plan.ctx(),

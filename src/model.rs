@@ -31,27 +31,31 @@ pub enum Experts {
     F32,
 }
 
-/// `--dtype`: the dtype of the non-expert weights.
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum Dtype {
+/// `--dense-weights` (alias `--dtype`): how the non-expert weights are stored and computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DenseWeights {
     /// 32-bit floats (twice the checkpoint's bytes; the reference path).
     F32,
     /// bfloat16, the checkpoint's own (the default; on the CPU computed with F32 activations).
     Bf16,
     /// IEEE half precision.
     F16,
+    /// INT8 with an FP16 scale per 32 columns against 8-bit activations (CPU only): about half
+    /// the bytes per token of bf16; routers, norms and embeddings stay bf16.
+    Int8,
 }
 
-impl Dtype {
-    /// The Candle dtype.
+impl DenseWeights {
+    /// The dtype the weights are loaded in (INT8 is requantized from BF16 after loading).
     pub fn dtype(self) -> DType {
         match self {
             Self::F32 => DType::F32,
-            Self::Bf16 => DType::BF16,
+            Self::Bf16 | Self::Int8 => DType::BF16,
             Self::F16 => DType::F16,
         }
     }
 }
+
 /// The flags that choose and build the model.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
@@ -87,11 +91,11 @@ pub struct ModelArgs {
     /// its own and must match when this is given.
     #[arg(long)]
     pub group_size: Option<usize>,
-    /// Dtype of the non-expert weights (attention, routers, shared experts, dense MLPs,
-    /// lm_head); default bf16, the checkpoint's. On the CPU, bf16 weights are computed with F32
-    /// activations by our own kernels.
-    #[arg(long, value_enum)]
-    pub dtype: Option<Dtype>,
+    /// Non-expert weights (attention, routers, shared experts, dense MLPs, lm_head): default
+    /// bf16, the checkpoint's. On the CPU, bf16 and int8 weights are computed with F32
+    /// activations by our own kernels; int8 is CPU only.
+    #[arg(long, value_enum, alias = "dtype")]
+    pub dense_weights: Option<DenseWeights>,
     /// Run on the CPU even when a GPU is available.
     #[arg(long)]
     pub cpu: bool,
@@ -165,8 +169,8 @@ impl ModelArgs {
 
     /// The compute dtype of the non-expert weights on `device`.
     pub fn compute_dtype(&self, device: &Device) -> DType {
-        self.dtype
-            .map(Dtype::dtype)
+        self.dense_weights
+            .map(DenseWeights::dtype)
             .unwrap_or(Target::of(device).default_dtype())
     }
 
@@ -220,6 +224,7 @@ impl ModelArgs {
         let target = Target::of(device);
         let options = PlanOptions {
             dtype,
+            dense_int8: self.dense_weights == Some(DenseWeights::Int8),
             experts: self.experts.storage(self.group_size)?,
             ctx: self.ctx,
             ..PlanOptions::new(target)
@@ -259,6 +264,9 @@ impl ModelArgs {
             None => load_checkpoint(self, residency, dtype, device)?,
         };
         loaded.context_limit = context_limit;
+        if self.dense_weights == Some(DenseWeights::Int8) {
+            loaded.model.quantize_dense_int8()?;
+        }
         if self.prefetch {
             loaded.model.enable_prefetch();
         }

@@ -129,7 +129,7 @@ pub fn traffic_json(model: &MoeForCausalLm, decode_tokens_per_s: Option<f64>) ->
     serde_json::json!({
         "bytes_per_token": bytes,
         "gb_per_s": decode_tokens_per_s.map(|r| r * bytes as f64 / 1e9),
-        "dense_weights": format!("{:?}", model.dtype()).to_lowercase(),
+        "dense_weights": model.dense_weights(),
         "activations": format!("{:?}", model.activation_dtype()).to_lowercase(),
     })
 }

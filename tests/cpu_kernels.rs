@@ -5,7 +5,7 @@
 use candle::{DType, Device, Module, Tensor};
 use candle_qmoe::kernels::attention::{attend, KvCache};
 use candle_qmoe::kernels::cpu::CpuIsa;
-use candle_qmoe::kernels::dense::bf16_matmul;
+use candle_qmoe::kernels::dense::{bf16_matmul, int8_matmul, Int8Matrix, INT8_GROUP};
 use candle_qmoe::DenseLinear;
 use candle_qmoe_suite::testing::{isa_trials, Rng};
 use half::bf16;
@@ -83,6 +83,57 @@ fn bf16_matmul_trials(name: &str, isa: CpuIsa) -> Vec<Trial> {
                     y, single,
                     "{isa:?} m{m} k{k} n{n}: differs between thread counts"
                 );
+            }
+            Ok(())
+        },
+    )]
+}
+
+/// The INT8 kernel against the f64 product of its dequantized weights with the unquantized
+/// activations. Activations are rounded to 8 bits per group of 32 (`|δx| ≤ max_g|x| / 254`),
+/// so `|err| ≤ Σ_g max_g|x| / 254 · Σ_{i∈g} |w_i|` plus F32 accumulation (`k · 2⁻²⁴ · Σ|x·w|`).
+fn int8_trials(name: &str, isa: CpuIsa) -> Vec<Trial> {
+    vec![Trial::test(
+        format!("{name}::int8_matmul_within_activation_rounding_of_f64"),
+        move || {
+            let mut rng = Rng::new(13);
+            for (m, k, n) in MATMUL_SHAPES {
+                let (x, w) = matmul_inputs(&mut rng, m, k, n);
+                let q = Int8Matrix::quantize_bf16(&w, n, k);
+                assert_eq!(q.bytes(), n * k.next_multiple_of(32) * (32 + 2) / 32);
+                let wd = q.dequantize();
+                // Weight rounding: each weight within half a step of its group's scale.
+                for (a, b) in wd.iter().zip(&w) {
+                    assert!((a - b.to_f32()).abs() <= 0.02 * 3.0 / 127.0, "{a} vs {b}");
+                }
+                let y = int8_matmul(isa, &x, m, &q);
+                for t in 0..m {
+                    let xr = &x[t * k..(t + 1) * k];
+                    for r in 0..n {
+                        let wr = &wd[r * k..(r + 1) * k];
+                        let exact: f64 =
+                            xr.iter().zip(wr).map(|(&a, &b)| a as f64 * b as f64).sum();
+                        let mag: f64 = xr
+                            .iter()
+                            .zip(wr)
+                            .map(|(&a, &b)| (a as f64 * b as f64).abs())
+                            .sum();
+                        let act: f64 = xr
+                            .chunks(INT8_GROUP)
+                            .zip(wr.chunks(INT8_GROUP))
+                            .map(|(xg, wg)| {
+                                let amax = xg.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+                                amax / 254.0 * wg.iter().map(|v| v.abs() as f64).sum::<f64>()
+                            })
+                            .sum();
+                        let bound = 1.01 * act + 2.0 * k as f64 * 2f64.powi(-24) * mag;
+                        let err = (y[t * n + r] as f64 - exact).abs();
+                        assert!(
+                            err <= bound,
+                            "{isa:?} m{m} k{k} n{n}: y[{t},{r}] off by {err:e} > {bound:e}"
+                        );
+                    }
+                }
             }
             Ok(())
         },
@@ -229,6 +280,11 @@ fn main() {
         &[("portable", CpuIsa::Scalar), ("avx2", CpuIsa::Avx2)],
         bf16_matmul_trials,
     );
+    all.extend(isa_trials(
+        "dense_int8",
+        &[("portable", CpuIsa::Scalar), ("avx2", CpuIsa::Avx2)],
+        int8_trials,
+    ));
     all.push(Trial::test("dense_linear_matches_candle_f32", || {
         dense_linear_matches_candle_f32();
         Ok(())

@@ -3,14 +3,18 @@
 //!
 //! On the CPU, BF16 weights are kept as the checkpoint's bytes and computed with F32
 //! activations by our own kernel ([`crate::kernels::dense`]): half the bytes of F32 weights, and
-//! several times faster than Candle's BF16 CPU matmul. Everywhere else (F32 weights, a GPU) the
-//! projection is Candle's `Linear`.
+//! several times faster than Candle's BF16 CPU matmul. They can also be requantized to INT8
+//! ([`DenseLinear::to_int8`], W8A8 per group of 32) for llama.cpp-class bytes per token.
+//! Everywhere else (F32 weights, a GPU) the projection is Candle's matmul.
 
-use candle::{CpuStorage, CustomOp2, DType, Device, Layout, Module, Shape, Tensor};
+use std::sync::Arc;
+
+use candle::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Module, Shape, Tensor};
 use candle_nn::{Linear, VarBuilder};
 
 use crate::kernels::cpu::CpuIsa;
-use crate::kernels::dense::bf16_matmul;
+use crate::kernels::dense::{bf16_matmul, int8_matmul, Int8Matrix};
+use crate::QmoeError;
 
 /// The dtype the activations are computed in for non-expert weights of dtype `weights` on
 /// `device`: F32 for BF16 weights on the CPU (our kernel's inputs), else the weights' own.
@@ -22,28 +26,46 @@ pub fn activation_dtype(weights: DType, device: &Device) -> DType {
     }
 }
 
-/// `y = x Wᵀ (+ b)` with `W [out, in]` (PyTorch orientation), computed by our CPU kernel when
-/// `W` is BF16 on the CPU and `x` is F32, else by Candle's `Linear`.
+/// How a [`DenseLinear`]'s weight is stored and multiplied.
+#[derive(Clone, Debug)]
+enum Kernel {
+    /// Candle's `Linear` (F32/F16 weights, any device).
+    Candle(Linear),
+    /// BF16 weight on the CPU, our kernel (F32 activations).
+    Bf16 { weight: Tensor, op: Bf16MatMul },
+    /// INT8 weight on the CPU, our W8A8 kernel (F32 activations).
+    Int8(Int8MatMul),
+}
+
+/// `y = x Wᵀ (+ b)` with `W [out, in]` (PyTorch orientation), computed by our CPU kernels when
+/// `W` is BF16 or INT8 on the CPU (with F32 activations), else by Candle's `Linear`.
 #[derive(Clone, Debug)]
 pub struct DenseLinear {
-    inner: Linear,
-    op: Option<Bf16MatMul>,
+    kernel: Kernel,
+    bias: Option<Tensor>,
+    dims: (usize, usize),
 }
 
 impl DenseLinear {
     /// Wraps `weight [out, in]` and an optional `bias [out]`; on the CPU with BF16 weights the
     /// bias is kept in F32, the activations' dtype there.
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> candle::Result<Self> {
-        let fast = weight.device().is_cpu() && weight.dtype() == DType::BF16;
-        let bias = match bias {
-            Some(b) if fast => Some(b.to_dtype(DType::F32)?),
-            b => b,
-        };
-        Ok(Self {
-            op: fast.then(|| Bf16MatMul {
+        let dims = weight.dims2()?;
+        let weight = weight.contiguous()?;
+        if weight.device().is_cpu() && weight.dtype() == DType::BF16 {
+            let op = Bf16MatMul {
                 isa: CpuIsa::detect(),
-            }),
-            inner: Linear::new(weight.contiguous()?, bias),
+            };
+            return Ok(Self {
+                kernel: Kernel::Bf16 { weight, op },
+                bias: bias.map(|b| b.to_dtype(DType::F32)).transpose()?,
+                dims,
+            });
+        }
+        Ok(Self {
+            kernel: Kernel::Candle(Linear::new(weight, None)),
+            bias,
+            dims,
         })
     }
 
@@ -59,25 +81,91 @@ impl DenseLinear {
         Self::load(in_dim, out_dim, false, vb)
     }
 
-    /// The weight `[out, in]`.
-    pub fn weight(&self) -> &Tensor {
-        self.inner.weight()
+    /// `(out, in)`.
+    pub fn dims(&self) -> (usize, usize) {
+        self.dims
     }
 
-    /// Bytes of the weight and bias: what one token's projection reads.
+    /// The weight `[out, in]` as a tensor, unless it is stored in INT8.
+    pub fn weight(&self) -> Option<&Tensor> {
+        match &self.kernel {
+            Kernel::Candle(l) => Some(l.weight()),
+            Kernel::Bf16 { weight, .. } => Some(weight),
+            Kernel::Int8(_) => None,
+        }
+    }
+
+    /// The storage of the weight: `bf16`, `f16`, `f32` or `int8`.
+    pub fn weight_format(&self) -> &'static str {
+        match &self.kernel {
+            Kernel::Int8(_) => "int8",
+            Kernel::Bf16 { .. } => "bf16",
+            Kernel::Candle(l) => match l.weight().dtype() {
+                DType::F16 => "f16",
+                DType::F32 => "f32",
+                _ => "other",
+            },
+        }
+    }
+
+    /// Bytes of the weight (with its scales) and bias: what one token's projection reads.
     pub fn weight_bytes(&self) -> usize {
         let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
-        bytes(self.weight()) + self.inner.bias().map_or(0, bytes)
+        let weight = match &self.kernel {
+            Kernel::Candle(l) => bytes(l.weight()),
+            Kernel::Bf16 { weight, .. } => bytes(weight),
+            Kernel::Int8(op) => op.matrix.bytes(),
+        };
+        weight + self.bias.as_ref().map_or(0, bytes)
     }
 
-    /// Forces the instruction set of the CPU kernel (e.g. the portable path in tests); an
+    /// Requantizes a BF16 or F32 weight on the CPU to symmetric INT8 with an FP16 scale per
+    /// group of 32 columns, multiplied by 8-bit quantized activations; an INT8 weight is
+    /// returned as it is. Refused on other devices, which have no INT8 kernel.
+    pub fn to_int8(&self) -> candle::Result<Self> {
+        let weight = match &self.kernel {
+            Kernel::Int8(_) => return Ok(self.clone()),
+            Kernel::Bf16 { weight, .. } => weight,
+            Kernel::Candle(l) => l.weight(),
+        };
+        if !weight.device().is_cpu() {
+            return Err(QmoeError::unsupported(
+                "dense weights",
+                "int8",
+                format!(
+                    "INT8 non-expert weights run on the CPU only, not on {:?}",
+                    weight.device()
+                ),
+            )
+            .into());
+        }
+        let (rows, cols) = self.dims;
+        let values = weight.to_dtype(DType::BF16)?.flatten_all()?.to_vec1()?;
+        let matrix = Arc::new(Int8Matrix::quantize_bf16(&values, rows, cols));
+        Ok(Self {
+            kernel: Kernel::Int8(Int8MatMul {
+                matrix,
+                isa: CpuIsa::detect(),
+            }),
+            bias: self
+                .bias
+                .as_ref()
+                .map(|b| b.to_dtype(DType::F32))
+                .transpose()?,
+            dims: self.dims,
+        })
+    }
+
+    /// Forces the instruction set of the CPU kernels (e.g. the portable path in tests); an
     /// instruction set this CPU lacks is refused.
     pub fn with_isa(mut self, isa: CpuIsa) -> candle::Result<Self> {
         if !isa.is_available() {
             candle::bail!("{isa:?} is not supported by this CPU");
         }
-        if let Some(op) = &mut self.op {
-            op.isa = isa;
+        match &mut self.kernel {
+            Kernel::Bf16 { op, .. } => op.isa = isa,
+            Kernel::Int8(op) => op.isa = isa,
+            Kernel::Candle(_) => {}
         }
         Ok(self)
     }
@@ -85,23 +173,58 @@ impl DenseLinear {
 
 impl From<Linear> for DenseLinear {
     fn from(l: Linear) -> Self {
-        Self { op: None, inner: l }
+        let dims = l.weight().dims2().unwrap_or((0, 0));
+        Self {
+            bias: l.bias().cloned(),
+            kernel: Kernel::Candle(Linear::new(l.weight().clone(), None)),
+            dims,
+        }
     }
 }
 
 impl Module for DenseLinear {
     fn forward(&self, xs: &Tensor) -> candle::Result<Tensor> {
-        let Some(op) = self.op.filter(|_| xs.dtype() == DType::F32) else {
-            return self.inner.forward(xs);
+        let y = match &self.kernel {
+            Kernel::Bf16 { weight, op } if xs.dtype() == DType::F32 => {
+                xs.contiguous()?.apply_op2_no_bwd(weight, op)?
+            }
+            Kernel::Bf16 { weight, .. } => Linear::new(weight.clone(), None).forward(xs)?,
+            Kernel::Int8(op) => xs
+                .to_dtype(DType::F32)?
+                .contiguous()?
+                .apply_op1_no_bwd(op)?,
+            Kernel::Candle(l) => l.forward(xs)?,
         };
-        let y = xs
-            .contiguous()?
-            .apply_op2_no_bwd(self.inner.weight(), &op)?;
-        match self.inner.bias() {
+        match &self.bias {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
         }
     }
+}
+
+/// The contiguous F32 input `x [..., K]` of a CPU kernel and the output shape `[..., n]`.
+fn kernel_input<'a>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    k: usize,
+    n: usize,
+    op: &'static str,
+) -> candle::Result<(&'a [f32], Shape)> {
+    let dims = l.shape().dims();
+    if dims.last() != Some(&k) {
+        return Err(QmoeError::ShapeMismatch {
+            tensor: format!("{op} input"),
+            got: dims.to_vec(),
+            expected: [&dims[..dims.len().saturating_sub(1)], &[k]].concat(),
+        }
+        .into());
+    }
+    let Some((a, b)) = l.contiguous_offsets() else {
+        candle::bail!("{op}: the input must be contiguous");
+    };
+    let mut out = dims.to_vec();
+    *out.last_mut().expect("checked above") = n;
+    Ok((&s.as_slice::<f32>()?[a..b], Shape::from(out)))
 }
 
 /// The Candle op of [`bf16_matmul`]: `x [..., K]` F32 by `W [N, K]` BF16 → `[..., N]` F32.
@@ -123,25 +246,32 @@ impl CustomOp2 for Bf16MatMul {
         l2: &Layout,
     ) -> candle::Result<(CpuStorage, Shape)> {
         let (n, k) = l2.shape().dims2()?;
-        let dims = l1.shape().dims();
-        if dims.last() != Some(&k) {
-            return Err(candle::Error::ShapeMismatchBinaryOp {
-                lhs: l1.shape().clone(),
-                rhs: l2.shape().clone(),
-                op: "qmoe-bf16-matmul",
-            }
-            .bt());
-        }
-        let (Some((x0, x1)), Some((w0, w1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
-        else {
-            candle::bail!("qmoe-bf16-matmul: operands must be contiguous");
+        let (x, shape) = kernel_input(s1, l1, k, n, self.name())?;
+        let Some((w0, w1)) = l2.contiguous_offsets() else {
+            candle::bail!("qmoe-bf16-matmul: the weight must be contiguous");
         };
-        let x = &s1.as_slice::<f32>()?[x0..x1];
         let w = &s2.as_slice::<half::bf16>()?[w0..w1];
-        let m = x.len() / k.max(1);
-        let y = bf16_matmul(self.isa, x, m, k, w, n);
-        let mut out_dims = dims.to_vec();
-        *out_dims.last_mut().expect("checked above") = n;
-        Ok((CpuStorage::F32(y), Shape::from(out_dims)))
+        let y = bf16_matmul(self.isa, x, x.len() / k.max(1), k, w, n);
+        Ok((CpuStorage::F32(y), shape))
+    }
+}
+
+/// The Candle op of [`int8_matmul`]: `x [..., K]` F32 by an INT8 `W [N, K]` → `[..., N]` F32.
+#[derive(Clone, Debug)]
+struct Int8MatMul {
+    matrix: Arc<Int8Matrix>,
+    isa: CpuIsa,
+}
+
+impl CustomOp1 for Int8MatMul {
+    fn name(&self) -> &'static str {
+        "qmoe-int8-matmul"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle::Result<(CpuStorage, Shape)> {
+        let (n, k) = (self.matrix.rows(), self.matrix.cols());
+        let (x, shape) = kernel_input(s, l, k, n, self.name())?;
+        let y = int8_matmul(self.isa, x, x.len() / k.max(1), &self.matrix);
+        Ok((CpuStorage::F32(y), shape))
     }
 }

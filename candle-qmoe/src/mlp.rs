@@ -25,6 +25,15 @@ impl GatedMlp {
 }
 
 impl GatedMlp {
+    /// The same MLP with its projections in INT8 ([`DenseLinear::to_int8`]).
+    pub fn to_int8(&self) -> candle::Result<Self> {
+        Ok(Self {
+            gate_proj: self.gate_proj.to_int8()?,
+            up_proj: self.up_proj.to_int8()?,
+            down_proj: self.down_proj.to_int8()?,
+        })
+    }
+
     /// Bytes of the three projections: what one token reads.
     pub fn weight_bytes(&self) -> usize {
         [&self.gate_proj, &self.up_proj, &self.down_proj]

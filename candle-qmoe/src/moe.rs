@@ -109,12 +109,12 @@ impl SparseMoe {
             }
             .into());
         }
-        let want = [e, experts.hidden_size()];
-        if router.weight().dims() != want {
+        let want = (e, experts.hidden_size());
+        if router.dims() != want {
             return Err(QmoeError::ShapeMismatch {
                 tensor: "router (mlp.gate.weight)".into(),
-                got: router.weight().dims().to_vec(),
-                expected: want.to_vec(),
+                got: vec![router.dims().0, router.dims().1],
+                expected: vec![want.0, want.1],
             }
             .into());
         }
@@ -196,6 +196,15 @@ impl SparseMoe {
             up: vb.get((intermediate, hidden), "up_proj.weight")?,
             down: vb.get((hidden, intermediate), "down_proj.weight")?,
         })
+    }
+
+    /// Puts the shared expert's projections in INT8 ([`DenseLinear::to_int8`]); the router
+    /// and the shared expert's gate, a few KiB that decide the routing, stay as loaded.
+    pub fn quantize_shared_int8(&mut self) -> candle::Result<()> {
+        if let Some(shared) = &mut self.shared {
+            shared.mlp = shared.mlp.to_int8()?;
+        }
+        Ok(())
     }
 
     /// Weight bytes one token reads in this block: the router, its top-k experts and the

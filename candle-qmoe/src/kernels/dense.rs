@@ -215,3 +215,213 @@ mod x86 {
         }
     }
 }
+
+/// Columns per INT8 scale (as GGML's Q8_0): 8.5 bits per weight with the FP16 scale.
+pub const INT8_GROUP: usize = 32;
+
+/// A matrix `[rows, cols]` in symmetric INT8 with one FP16 scale per row and group of
+/// [`INT8_GROUP`] columns (`w ≈ q · scale`, `q ∈ [-127, 127]`); rows are padded with zeros to a
+/// whole number of groups.
+#[derive(Clone, Debug)]
+pub struct Int8Matrix {
+    rows: usize,
+    cols: usize,
+    q: Vec<i8>,
+    scales: Vec<half::f16>,
+}
+
+/// Quantizes one group to `q` (`round(v / s)` with `s = max|v| / 127`); returns `s`.
+fn quantize_group_i8(v: impl Iterator<Item = f32> + Clone, q: &mut [i8]) -> f32 {
+    let amax = v.clone().fold(0f32, |m, x| m.max(x.abs()));
+    if amax == 0.0 {
+        q.fill(0);
+        return 0.0;
+    }
+    let s = amax / 127.0;
+    for (qi, x) in q.iter_mut().zip(v) {
+        *qi = (x / s).round() as i8;
+    }
+    s
+}
+
+impl Int8Matrix {
+    /// Quantizes row-major `w [rows, cols]` (BF16, as the checkpoint holds it).
+    pub fn quantize_bf16(w: &[bf16], rows: usize, cols: usize) -> Self {
+        assert_eq!(w.len(), rows * cols, "w must be [rows, cols]");
+        let padded = cols.next_multiple_of(INT8_GROUP);
+        let groups = padded / INT8_GROUP;
+        let mut q = vec![0i8; rows * padded];
+        let mut scales = vec![half::f16::ZERO; rows * groups];
+        q.par_chunks_mut(padded)
+            .zip(scales.par_chunks_mut(groups))
+            .zip(w.par_chunks(cols.max(1)))
+            .for_each(|((q, scales), row)| {
+                for (g, (qg, s)) in q.chunks_exact_mut(INT8_GROUP).zip(scales).enumerate() {
+                    let vals = &row[(g * INT8_GROUP).min(cols)..((g + 1) * INT8_GROUP).min(cols)];
+                    let amax = vals.iter().fold(0f32, |m, v| m.max(v.to_f32().abs()));
+                    // Quantized against the scale as stored (FP16), which the kernel uses.
+                    *s = half::f16::from_f32(amax / 127.0);
+                    let scale = s.to_f32();
+                    if scale > 0.0 {
+                        for (qi, v) in qg.iter_mut().zip(vals) {
+                            *qi = (v.to_f32() / scale).round().clamp(-127.0, 127.0) as i8;
+                        }
+                    }
+                }
+            });
+        Self {
+            rows,
+            cols,
+            q,
+            scales,
+        }
+    }
+
+    /// Rows (output features).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns (input features).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes of the quantized weights and scales.
+    pub fn bytes(&self) -> usize {
+        self.q.len() + 2 * self.scales.len()
+    }
+
+    /// The weights as F32 (`q · scale`), row-major `[rows, cols]`: the exact values the kernel
+    /// multiplies by.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let padded = self.q.len() / self.rows.max(1);
+        let groups = padded / INT8_GROUP;
+        let mut out = Vec::with_capacity(self.rows * self.cols);
+        for r in 0..self.rows {
+            out.extend((0..self.cols).map(|c| {
+                self.q[r * padded + c] as f32 * self.scales[r * groups + c / INT8_GROUP].to_f32()
+            }));
+        }
+        out
+    }
+}
+
+/// Activation rows quantized to INT8 per group of [`INT8_GROUP`], as the INT8 kernel reads
+/// them.
+struct Int8Acts {
+    padded: usize,
+    q: Vec<i8>,
+    scales: Vec<f32>,
+}
+
+impl Int8Acts {
+    fn new(x: &[f32], m: usize, k: usize) -> Self {
+        let padded = k.next_multiple_of(INT8_GROUP);
+        let groups = padded / INT8_GROUP;
+        let mut q = vec![0i8; m * padded];
+        let mut scales = vec![0f32; m * groups];
+        for ((q, s), row) in q
+            .chunks_exact_mut(padded)
+            .zip(scales.chunks_exact_mut(groups))
+            .zip(x.chunks_exact(k.max(1)))
+        {
+            for (g, (qg, sg)) in q.chunks_exact_mut(INT8_GROUP).zip(s).enumerate() {
+                let vals = &row[(g * INT8_GROUP).min(k)..((g + 1) * INT8_GROUP).min(k)];
+                *sg = quantize_group_i8(vals.iter().copied(), &mut qg[..vals.len()]);
+            }
+        }
+        Self { padded, q, scales }
+    }
+}
+
+/// `y [m, n] = x [m, k] · wᵀ` with `w` in INT8 and `x` quantized to INT8 per group on the fly
+/// (W8A8: integer dot products per group of 32, scaled by both scales and summed in F32).
+///
+/// # Panics
+/// When `x` is not `[m, w.cols()]` or `isa` is not available on this CPU.
+pub fn int8_matmul(isa: CpuIsa, x: &[f32], m: usize, w: &Int8Matrix) -> Vec<f32> {
+    assert!(isa.is_available(), "{isa:?} is not supported by this CPU");
+    assert_eq!(x.len(), m * w.cols, "x must be [m, {}]", w.cols);
+    let acts = Int8Acts::new(x, m, w.cols);
+    let (n, padded) = (w.rows, acts.padded);
+    let groups = padded / INT8_GROUP;
+    let mut yt = vec![0f32; n * m];
+    yt.par_chunks_mut(ROW_BLOCK * m)
+        .enumerate()
+        .for_each(|(b, out)| {
+            for (i, o) in out.chunks_exact_mut(m).enumerate() {
+                let r = b * ROW_BLOCK + i;
+                let wq = &w.q[r * padded..(r + 1) * padded];
+                let ws = &w.scales[r * groups..(r + 1) * groups];
+                for (t, y) in o.iter_mut().enumerate() {
+                    let xq = &acts.q[t * padded..(t + 1) * padded];
+                    let xs = &acts.scales[t * groups..(t + 1) * groups];
+                    *y = int8_dot(isa, wq, ws, xq, xs);
+                }
+            }
+        });
+    if m == 1 {
+        return yt;
+    }
+    let mut y = vec![0f32; m * n];
+    for (r, col) in yt.chunks_exact(m).enumerate() {
+        for (t, &v) in col.iter().enumerate() {
+            y[t * n + r] = v;
+        }
+    }
+    y
+}
+
+/// `Σ_g ws[g] · xs[g] · Σ_{i ∈ g} wq[i] · xq[i]` over whole groups.
+#[inline]
+fn int8_dot(isa: CpuIsa, wq: &[i8], ws: &[half::f16], xq: &[i8], xs: &[f32]) -> f32 {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `int8_matmul` checked that the CPU supports `isa` (AVX2 at least).
+        CpuIsa::Avx2 | CpuIsa::Avx512Vnni => unsafe { x86_int8::dot(wq, ws, xq, xs) },
+        _ => wq
+            .chunks_exact(INT8_GROUP)
+            .zip(xq.chunks_exact(INT8_GROUP))
+            .zip(ws.iter().zip(xs))
+            .map(|((w, x), (sw, sx))| {
+                let d: i32 = w.iter().zip(x).map(|(&a, &b)| a as i32 * b as i32).sum();
+                d as f32 * (sw.to_f32() * sx)
+            })
+            .sum(),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86_int8 {
+    use std::arch::x86_64::*;
+
+    use super::INT8_GROUP;
+
+    /// AVX2 `int8_dot`: `vpmaddubsw` on `|w|` and `x` with `w`'s sign (products of two values in
+    /// `[-127, 127]` pair-summed stay within i16), `vpmaddwd` by ones to i32, then one FMA per
+    /// group with the product of the scales.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; the slices hold whole groups.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot(wq: &[i8], ws: &[half::f16], xq: &[i8], xs: &[f32]) -> f32 {
+        let groups = ws.len().min(xs.len());
+        assert!(wq.len() >= groups * INT8_GROUP && xq.len() >= groups * INT8_GROUP);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); 2];
+        for g in 0..groups {
+            let w = _mm256_loadu_si256(wq.as_ptr().add(g * INT8_GROUP) as *const __m256i);
+            let x = _mm256_loadu_si256(xq.as_ptr().add(g * INT8_GROUP) as *const __m256i);
+            let prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+            let sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
+            let s = ws[g].to_f32() * xs[g];
+            acc[g % 2] = _mm256_fmadd_ps(sum, _mm256_set1_ps(s), acc[g % 2]);
+        }
+        let v = _mm256_add_ps(acc[0], acc[1]);
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+}

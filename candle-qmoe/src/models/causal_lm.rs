@@ -248,6 +248,23 @@ impl MoeForCausalLm {
         self.activations
     }
 
+    /// Requantizes the non-expert projections (attention, dense MLPs, shared experts,
+    /// `lm_head`) to INT8 with an FP16 scale per group of 32 columns, computed against 8-bit
+    /// activations: about half the bytes per token of BF16. Routers, norms and embeddings stay
+    /// as loaded. CPU only: on another device this is a [`QmoeError::UnsupportedConfig`].
+    pub fn quantize_dense_int8(&mut self) -> candle::Result<()> {
+        for layer in self.layers.iter_mut() {
+            layer.quantize_int8()?;
+        }
+        self.lm_head = self.lm_head.to_int8()?;
+        Ok(())
+    }
+
+    /// How the non-expert projections are stored: `bf16`, `f16`, `f32` or `int8`.
+    pub fn dense_weights(&self) -> &'static str {
+        self.lm_head.weight_format()
+    }
+
     /// Weight bytes one decoded token reads: every layer's norms, attention and feed-forward
     /// (a MoE layer's router, top-k experts and shared expert), the final norm, `lm_head` and
     /// one embedding row. With the KV cache this is the memory traffic that bounds decode.

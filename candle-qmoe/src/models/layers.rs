@@ -340,6 +340,19 @@ impl Attention {
         }
     }
 
+    /// Puts q/k/v/o in INT8 ([`DenseLinear::to_int8`]).
+    pub fn quantize_int8(&mut self) -> candle::Result<()> {
+        for p in [
+            &mut self.q_proj,
+            &mut self.k_proj,
+            &mut self.v_proj,
+            &mut self.o_proj,
+        ] {
+            *p = p.to_int8()?;
+        }
+        Ok(())
+    }
+
     /// Bytes of the projections and norms: what one token reads (the KV cache aside).
     pub fn weight_bytes(&self) -> usize {
         [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
@@ -473,6 +486,17 @@ impl DecoderLayer {
             .mlp
             .forward(&self.post_attention_layernorm.forward(&xs)?)?;
         Ok(((xs + ffn)?, router_logits))
+    }
+
+    /// Puts the layer's projections in INT8: attention, a dense MLP or a shared expert (routers
+    /// stay as loaded).
+    pub fn quantize_int8(&mut self) -> candle::Result<()> {
+        self.self_attn.quantize_int8()?;
+        match &mut self.mlp {
+            FeedForward::Dense(mlp) => *mlp = mlp.to_int8()?,
+            FeedForward::Moe(moe) => moe.quantize_shared_int8()?,
+        }
+        Ok(())
     }
 
     /// Weight bytes one token reads in this layer (norms, attention, feed-forward).

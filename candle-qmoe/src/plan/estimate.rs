@@ -134,6 +134,9 @@ pub struct PlanOptions {
     /// Dtype of the non-expert weights (BF16, F16 or F32); activations are in
     /// [`Target::activation_dtype`] of it.
     pub dtype: DType,
+    /// Non-expert projections requantized to INT8 after loading in `dtype` (CPU only; see
+    /// [`crate::models::MoeForCausalLm::quantize_dense_int8`]).
+    pub dense_int8: bool,
     /// How the routed experts are stored.
     pub experts: ExpertStorage,
     /// Context length (prompt plus generated tokens); `None`: `max_position_embeddings`.
@@ -158,6 +161,7 @@ impl PlanOptions {
         Self {
             target,
             dtype: target.default_dtype(),
+            dense_int8: false,
             experts: ExpertStorage::default(),
             ctx: None,
             batch: 1,
@@ -174,36 +178,66 @@ impl Default for PlanOptions {
     }
 }
 
-/// Parameters of everything but the routed experts, plus the RoPE tables (`cos` and `sin`,
-/// `[max_position_embeddings, head_dim / 2]` each), which are stored in the compute dtype too.
-fn non_expert_elements(spec: &ModelSpec) -> u64 {
+/// Parameters of everything but the routed experts, split into the projections INT8 dense
+/// weights requantize (attention, dense MLPs, shared-expert MLPs, `lm_head`) and the rest
+/// (embeddings, norms, routers, biases, shared-expert gates and the RoPE tables,
+/// `[max_position_embeddings, head_dim / 2]` each, stored in the compute dtype too).
+struct NonExpertElements {
+    projections: u64,
+    rest: u64,
+}
+
+fn non_expert_elements(spec: &ModelSpec) -> NonExpertElements {
     let (h, a) = (spec.hidden_size, &spec.attention);
     let q = spec.num_heads * spec.head_dim;
     let kv = spec.num_kv_heads * spec.head_dim;
     let if_set = |on: bool, n: u64| if on { n } else { 0 };
-    let attention = product(&[h, q + 2 * kv])
-        + product(&[q, h])
-        + if_set(a.qkv_bias, (q + 2 * kv) as u64)
+    let attention = product(&[h, q + 2 * kv]) + product(&[q, h]);
+    let attention_rest = if_set(a.qkv_bias, (q + 2 * kv) as u64)
         + if_set(a.o_bias, h as u64)
         + if_set(a.qk_norm, (q + kv) as u64);
     let ffn = |layer: &FfnSpec| match layer {
-        FfnSpec::Dense { intermediate_size } => product(&[3, h, *intermediate_size]),
-        FfnSpec::Moe(m) => {
-            product(&[m.num_experts, h])
-                + m.shared_intermediate_size
-                    .map_or(0, |si| product(&[3, h, si]) + h as u64)
-        }
+        FfnSpec::Dense { intermediate_size } => (product(&[3, h, *intermediate_size]), 0),
+        FfnSpec::Moe(m) => (
+            m.shared_intermediate_size
+                .map_or(0, |si| product(&[3, h, si])),
+            product(&[m.num_experts, h]) + m.shared_intermediate_size.map_or(0, |_| h as u64),
+        ),
     };
-    let layers: u64 = spec
-        .layers
-        .iter()
-        .map(|l| attention + 2 * h as u64 + ffn(l))
-        .fold(0, u64::saturating_add);
-    let heads = if spec.tie_word_embeddings { 1 } else { 2 };
-    product(&[heads, spec.vocab_size, h])
-        .saturating_add(h as u64)
-        .saturating_add(layers)
-        .saturating_add(product(&[spec.max_position_embeddings, spec.head_dim]))
+    let (mut projections, mut rest) = (0u64, 0u64);
+    for layer in &spec.layers {
+        let (p, r) = ffn(layer);
+        projections = projections.saturating_add(attention + p);
+        rest = rest.saturating_add(attention_rest + 2 * h as u64 + r);
+    }
+    let embedding = product(&[spec.vocab_size, h]);
+    NonExpertElements {
+        // `lm_head` (tied or not: INT8 makes a copy of a tied one).
+        projections: projections.saturating_add(embedding),
+        rest: rest
+            .saturating_add(if spec.tie_word_embeddings {
+                0
+            } else {
+                embedding
+            })
+            .saturating_add(h as u64)
+            .saturating_add(product(&[spec.max_position_embeddings, spec.head_dim])),
+    }
+}
+
+/// Bytes of the non-expert weights: everything in the weights' dtype, or with INT8 dense
+/// weights the projections at 1 byte plus an FP16 scale per 32 and the rest in BF16.
+fn non_expert_bytes(spec: &ModelSpec, opts: &PlanOptions) -> u64 {
+    let e = non_expert_elements(spec);
+    if opts.dense_int8 {
+        let int8 = e.projections
+            + e.projections
+                .div_ceil(crate::kernels::dense::INT8_GROUP as u64)
+                * 2;
+        int8.saturating_add(e.rest.saturating_mul(2))
+    } else {
+        (e.projections.saturating_add(e.rest)).saturating_mul(opts.dtype.size_in_bytes() as u64)
+    }
 }
 
 /// Peak activations of one forward pass of `batch × chunk` tokens whose keys span `ctx`
@@ -306,6 +340,11 @@ impl Plan {
                 )));
             }
         }
+        if o.dense_int8 && o.target != Target::Cpu {
+            return Err(plan_err(
+                "INT8 dense weights run on the CPU only (use bf16 on a GPU)",
+            ));
+        }
         if o.batch == 0 || o.prefill_chunk == 0 {
             return Err(plan_err("batch and prefill chunk must be at least 1"));
         }
@@ -351,7 +390,6 @@ impl Plan {
                 .fold(0, u64::saturating_add),
             ExpertStorage::Dense(_) => 0,
         };
-        let dt = o.dtype.size_in_bytes();
         // The KV cache holds activations (F32 on the CPU with BF16 weights). The fused path
         // allocates ahead in chunks, but zeroed pages are mapped only when written: what it
         // holds is the positions used.
@@ -371,7 +409,7 @@ impl Plan {
         };
         let mut components = vec![exact(
             Component::NonExpertWeights,
-            non_expert_elements(spec).saturating_mul(dt as u64),
+            non_expert_bytes(spec, o),
         )];
         if o.target == Target::Cpu {
             components.push(exact(Component::PackSource, pack_source));
