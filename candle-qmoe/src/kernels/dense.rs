@@ -415,7 +415,9 @@ mod x86_int8 {
             let x = _mm256_loadu_si256(xq.as_ptr().add(g * INT8_GROUP) as *const __m256i);
             let prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
             let sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
-            let s = ws[g].to_f32() * xs[g];
+            // F16C conversion of the weight scale (half's `to_f32` is not inlined here).
+            let sw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(ws[g].to_bits() as i32)));
+            let s = sw * xs[g];
             acc[g % 2] = _mm256_fmadd_ps(sum, _mm256_set1_ps(s), acc[g % 2]);
         }
         let v = _mm256_add_ps(acc[0], acc[1]);
