@@ -25,7 +25,8 @@
 # Environment: LLAMA_DIR, LLAMA_CPP_PYTHON_VERSION (default 0.3.36), THREADS (default: all
 # cores), PROMPT (128), GEN (64), REPS (5), PACK (our pack; default cached), OUT, MAX_LOAD (0.5),
 # WAIT_IDLE (seconds to wait for the load to fall below MAX_LOAD, 300), LLAMA_BUILD_NUMBER (for
-# another version), SMOKE=1 (prove the pipeline: -p 16 -n 8 -r 1, no idle check, JSON under
+# another version), REQUANTIZE=1 (quantize again, so that the recorded quantization times and
+# peak RSS come from this run, on this machine), SMOKE=1 (prove the pipeline: -p 16 -n 8 -r 1, no idle check, JSON under
 # $LLAMA_DIR/runs).
 set -euo pipefail
 
@@ -133,7 +134,7 @@ fi
 formats=(Q4_0 Q4_K_M)
 for fmt in "${formats[@]}"; do
   out=$models/$name-$fmt.gguf
-  if [[ ! -s $out || $bf16 -nt $out ]]; then
+  if [[ ! -s $out || $bf16 -nt $out || ${REQUANTIZE:-0} == 1 ]]; then
     log "llama-quantize $fmt"
     /usr/bin/time -v -o "$models/quantize-$fmt.time" "$build/bin/llama-quantize" \
       "$bf16" "$out.part" "$fmt" "$threads" >"$models/quantize-$fmt.log" 2>&1 ||
