@@ -160,6 +160,8 @@ def llama_rates(records: list[dict], prompt: int, gen: int) -> dict:
         "cpu_info": tg.get("cpu_info"), "n_threads": tg.get("n_threads"),
         "model_type": tg.get("model_type"), "model_size": tg.get("model_size"),
         "model_n_params": tg.get("model_n_params"),
+        "settings": {k: tg.get(k) for k in ("n_batch", "n_ubatch", "flash_attn", "repack",
+                                             "load_mode", "poll", "type_k", "type_v")},
     }
 
 
@@ -289,6 +291,9 @@ def main() -> None:
             "prompt rate = prompt tokens / time to first token; decode rate over the tokens "
             "after the first; peak RSS of the whole process (/usr/bin/time -v), the in-process "
             "figure after its own reset next to it",
+            "llama.cpp repacks Q4_0 and Q4_K weights for the CPU's SIMD at load (settings.repack): "
+            "its peak RSS holds the file's mmapped pages plus the repacked copy, and decoding "
+            "reads the repacked copy (the same number of bytes)",
             "ours reads its non-expert weights at the compute dtype (f32 on the CPU by default), "
             "llama.cpp at the GGUF's types (quantized by llama-quantize)",
         ],
