@@ -146,9 +146,9 @@ done
 log "building our bench and probes"
 (cd "$repo" && cargo build --release --example bench --example quantize --example mem_bandwidth)
 pack=${PACK:-$models/$name-g128.qmoe}
-if [[ ! -s $pack ]]; then
+if [[ ! -s $pack || ( -z ${PACK:-} && $model_dir/config.json -nt $pack ) ]]; then
   log "our expert pack $pack"
-  "$target/release/examples/quantize" --model-dir "$model_dir" --out "$pack"
+  "$target/release/examples/quantize" --model-dir "$model_dir" --out "$pack" --force
 fi
 
 # --- 3. the timed runs ----------------------------------------------------------------------
