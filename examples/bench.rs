@@ -56,6 +56,9 @@ struct Args {
     /// New tokens of the unmeasured warm-up response (0: none).
     #[arg(long, default_value_t = Contract::FULL.warmup)]
     warmup: usize,
+    /// Cut or repeat every templated prompt to exactly N tokens (as `llama-bench -p N`).
+    #[arg(long)]
+    prompt_tokens: Option<usize>,
     /// Run the contract once per residency (comma-separated: numbers of experts per layer or
     /// `all`), rebuilding the model each time, and plot the sweep.
     #[arg(
@@ -308,6 +311,7 @@ fn main() -> Result<()> {
         blocks: args.blocks,
         sample_len: args.sample_len,
         warmup: args.warmup,
+        prompt_tokens: args.prompt_tokens,
     };
     contract.check()?;
     let device = args.model.device()?;
@@ -396,6 +400,11 @@ fn main() -> Result<()> {
             contract.prompts, contract.blocks, contract.sample_len, contract.warmup
         ));
     }
+    if let Some(n) = contract.prompt_tokens {
+        notes.push(format!(
+            "every templated prompt cut or repeated to exactly {n} tokens (--prompt-tokens)"
+        ));
+    }
     if args.baseline {
         notes.push(
             "Candle's own fused MoE is not one of this project's backends: no second baseline \
@@ -418,6 +427,7 @@ fn main() -> Result<()> {
             "blocks": contract.blocks,
             "sample_len": contract.sample_len,
             "warmup": contract.warmup,
+            "prompt_tokens": contract.prompt_tokens,
             "measured_responses": contract.responses(),
             "greedy": true,
             "eos_suppressed": true,

@@ -15,9 +15,10 @@ use candle_qmoe::kernels::cpu::CpuIsa;
 use candle_qmoe::pack::{DenseExpert, GroupSize, LayerPack, ScaleSearch};
 use candle_qmoe::synthetic::{MoeShape, SyntheticKind};
 use candle_qmoe::{synthetic, DenseExperts, GgmlExperts, Int4Experts, RoutedExperts};
+use candle_qmoe_suite::perf::median;
+use candle_qmoe_suite::system::memory_bandwidth;
 use candle_qmoe_suite::testing::{rel_err, values_f64};
 use clap::{Parser, ValueEnum};
-use rayon::prelude::*;
 use serde_json::json;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -64,39 +65,6 @@ struct Args {
 /// `‖a − b‖ / ‖b‖` of two tensors, in f64.
 fn tensor_rel_err(a: &Tensor, b: &Tensor) -> Result<f64> {
     Ok(rel_err(&values_f64(a)?, &values_f64(b)?))
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
-/// Bytes/s of a parallel read (sum) and a parallel copy over a buffer far larger than caches.
-fn memory_bandwidth() -> (f64, f64) {
-    let n = 64 << 20; // 512 MiB of u64
-    let src: Vec<u64> = (0..n as u64).collect();
-    let mut dst = vec![0u64; n];
-    let (mut read, mut copy) = (Vec::new(), Vec::new());
-    for _ in 0..5 {
-        let t = Instant::now();
-        let s: u64 = src
-            .par_chunks(1 << 16)
-            .map(|c| c.iter().fold(0u64, |a, &b| a ^ b))
-            .sum();
-        read.push(t.elapsed().as_secs_f64());
-        std::hint::black_box(s);
-        let t = Instant::now();
-        dst.par_chunks_mut(1 << 16)
-            .zip(src.par_chunks(1 << 16))
-            .for_each(|(d, s)| d.copy_from_slice(s));
-        copy.push(t.elapsed().as_secs_f64());
-        std::hint::black_box(&dst);
-    }
-    let bytes = (n * 8) as f64;
-    (
-        bytes / median(&mut read) / 1e9,
-        bytes / median(&mut copy) / 1e9,
-    )
 }
 
 fn main() -> Result<()> {
@@ -207,7 +175,8 @@ fn main() -> Result<()> {
     let act_bytes = (2 * t * hidden * 4) as f64;
     let bytes_moved = experts_per_call * layout.slab_bytes() as f64 + act_bytes;
     let gb_per_s = bytes_moved / (ms[0] * 1e-3) / 1e9;
-    let (read_gb_per_s, copy_gb_per_s) = memory_bandwidth();
+    let bw = memory_bandwidth();
+    let (read_gb_per_s, copy_gb_per_s) = (bw.read_gb_per_s, bw.copy_gb_per_s);
     let get = |n: &str| backends.iter().position(|(b, _)| *b == n).map(|i| ms[i]);
     let line = json!({
         "device": candle_qmoe_suite::system::cpu_model(), "commit": candle_qmoe_suite::system::git_commit(),

@@ -53,6 +53,9 @@ pub struct Contract {
     pub sample_len: usize,
     /// New tokens of the warm-up response (0: none).
     pub warmup: usize,
+    /// Prompt length in tokens: every prompt (warm-up included) is cut or repeated to exactly
+    /// this many tokens by [`fit_prompt`] after the chat template; `None`: as written.
+    pub prompt_tokens: Option<usize>,
 }
 
 impl Contract {
@@ -62,6 +65,7 @@ impl Contract {
         blocks: 3,
         sample_len: 128,
         warmup: 64,
+        prompt_tokens: None,
     };
 
     /// Whether this is the full contract of docs/architecture.md §6.
@@ -83,6 +87,9 @@ impl Contract {
                  first)",
                 self.sample_len
             );
+        }
+        if self.prompt_tokens == Some(0) {
+            bail!("--prompt-tokens must be at least 1");
         }
         Ok(())
     }
@@ -134,6 +141,12 @@ pub fn traffic_json(model: &MoeForCausalLm, decode_tokens_per_s: Option<f64>) ->
     })
 }
 
+/// `ids` repeated and cut to exactly `n` tokens (a fixed prompt length, as llama.cpp's
+/// `llama-bench -p N` uses); empty when `ids` is.
+pub fn fit_prompt(ids: &[u32], n: usize) -> Vec<u32> {
+    ids.iter().copied().cycle().take(n).collect()
+}
+
 /// Decode rate over `responses`: Σ(generated − 1) / Σ(decode time after the first token),
 /// time-weighted; `None` when nothing was decoded.
 pub fn decode_rate<'a>(responses: impl IntoIterator<Item = &'a Response>) -> Option<f64> {
@@ -149,6 +162,13 @@ pub fn relative_spread(rates: &[f64]) -> Option<f64> {
     let max = rates.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let min = rates.iter().copied().fold(f64::INFINITY, f64::min);
     (!rates.is_empty() && mean > 0.0).then(|| (max - min) / mean)
+}
+
+/// The median of `v` (the upper one of an even count), sorting `v` in place; NaN for an empty
+/// slice.
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 fn mean(values: impl ExactSizeIterator<Item = f64>) -> Option<f64> {
@@ -269,7 +289,10 @@ pub fn run_campaign(
     };
     let context = loaded.context();
     let encode = |prompt: &str, new_tokens: usize| -> Result<Vec<u32>> {
-        let ids = loaded.encode(prompt, template)?;
+        let mut ids = loaded.encode(prompt, template)?;
+        if let Some(n) = contract.prompt_tokens {
+            ids = fit_prompt(&ids, n);
+        }
         if ids.len() + new_tokens > context {
             bail!(
                 "a prompt of {} tokens plus {new_tokens} new tokens exceeds the model's context \

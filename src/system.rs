@@ -1,5 +1,12 @@
 //! Facts about the machine and the run that evidence files record: peak and available memory,
-//! the CPU and GPU, the driver, the git commit.
+//! the CPU and GPU, the driver, the memory bandwidth, the git commit.
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+use serde::Serialize;
+
+use crate::perf::median;
 
 /// Peak resident set size of this process (`VmHWM`), in bytes; `None` where /proc is missing.
 pub fn peak_rss_bytes() -> Option<u64> {
@@ -37,6 +44,47 @@ pub fn nvidia_driver_version() -> Option<String> {
     line.split_whitespace()
         .find(|w| w.chars().next().is_some_and(|c| c.is_ascii_digit()) && w.contains('.'))
         .map(str::to_string)
+}
+
+/// The host memory bandwidth measured by [`memory_bandwidth`], in GB/s (10⁹ bytes per second).
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct MemoryBandwidth {
+    /// A parallel read (an XOR fold) of a 512 MiB buffer.
+    pub read_gb_per_s: f64,
+    /// A parallel copy of a 512 MiB buffer (bytes copied, not read + written).
+    pub copy_gb_per_s: f64,
+    /// The rayon threads that ran it (`RAYON_NUM_THREADS`, else one per core).
+    pub threads: usize,
+}
+
+/// Measures the read and copy bandwidth over buffers far larger than the caches (1 GiB in all),
+/// median of five runs each, on rayon's global pool.
+pub fn memory_bandwidth() -> MemoryBandwidth {
+    let n = 64 << 20; // 512 MiB of u64
+    let src: Vec<u64> = (0..n as u64).collect();
+    let mut dst = vec![0u64; n];
+    let (mut read, mut copy) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        let t = Instant::now();
+        let s: u64 = src
+            .par_chunks(1 << 16)
+            .map(|c| c.iter().fold(0u64, |a, &b| a ^ b))
+            .sum();
+        read.push(t.elapsed().as_secs_f64());
+        std::hint::black_box(s);
+        let t = Instant::now();
+        dst.par_chunks_mut(1 << 16)
+            .zip(src.par_chunks(1 << 16))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+        copy.push(t.elapsed().as_secs_f64());
+        std::hint::black_box(&dst);
+    }
+    let bytes = (n * 8) as f64;
+    MemoryBandwidth {
+        read_gb_per_s: bytes / median(&mut read) / 1e9,
+        copy_gb_per_s: bytes / median(&mut copy) / 1e9,
+        threads: rayon::current_num_threads(),
+    }
 }
 
 /// The current git commit (with `-dirty` when the tree has changes), or `null`.

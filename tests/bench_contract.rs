@@ -6,8 +6,8 @@ use candle::DType;
 use candle_qmoe::residency::ResidencyStats;
 use candle_qmoe_suite::model::ModelArgs;
 use candle_qmoe_suite::perf::{
-    decode_rate, plot_sweep, relative_spread, rfc3339_utc, run_campaign, suppression_mask,
-    Contract, Metrics, Response, SweepPoint, DECODE_LABEL, H2D_LABEL, X_LABEL,
+    decode_rate, fit_prompt, plot_sweep, relative_spread, rfc3339_utc, run_campaign,
+    suppression_mask, Contract, Metrics, Response, SweepPoint, DECODE_LABEL, H2D_LABEL, X_LABEL,
 };
 use clap::Parser;
 
@@ -116,11 +116,22 @@ fn contract_defaults_and_limits() {
             sample_len: 1,
             ..full
         },
+        Contract {
+            prompt_tokens: Some(0),
+            ..full
+        },
     ];
     for c in bad {
         assert!(c.check().is_err(), "{c:?} accepted");
         assert!(!c.is_full());
     }
+}
+
+#[test]
+fn fit_prompt_cuts_or_repeats() {
+    assert_eq!(fit_prompt(&[1, 2, 3], 7), [1, 2, 3, 1, 2, 3, 1]);
+    assert_eq!(fit_prompt(&[1, 2, 3], 2), [1, 2]);
+    assert!(fit_prompt(&[], 4).is_empty());
 }
 
 #[test]
@@ -176,6 +187,7 @@ fn shrunk_campaign_on_synthetic_tiny() {
         blocks: 2,
         sample_len: 8,
         warmup: 4,
+        prompt_tokens: None,
     };
     let device = candle::Device::Cpu;
     let mut runs = Vec::new();
@@ -217,4 +229,21 @@ fn shrunk_campaign_on_synthetic_tiny() {
         );
     }
     assert_eq!(runs[0], runs[1], "residency changed the generated tokens");
+}
+
+#[test]
+fn campaign_with_a_fixed_prompt_length() {
+    let contract = Contract {
+        prompts: 2,
+        blocks: 1,
+        sample_len: 3,
+        warmup: 2,
+        prompt_tokens: Some(37),
+    };
+    let mut loaded = tiny("all").load(DType::F32, &candle::Device::Cpu).unwrap();
+    let c = run_campaign(&mut loaded, &contract, || {}).unwrap();
+    assert_eq!(c.responses.len(), 2);
+    for r in &c.responses {
+        assert_eq!((r.prompt_tokens, r.generated), (37, 3));
+    }
 }

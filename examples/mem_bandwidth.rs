@@ -1,0 +1,18 @@
+//! Measures the host memory bandwidth (parallel read and copy of 512 MiB buffers, median of
+//! five) and prints one JSON line, for evidence files that state the bandwidth next to a speed
+//! (docs/architecture.md §6). Threads: `RAYON_NUM_THREADS`, else one per core.
+//!
+//! ```text
+//! RAYON_NUM_THREADS=2 cargo run --release --example mem_bandwidth
+//! ```
+
+use candle_qmoe_suite::system::{cpu_model, memory_bandwidth};
+use serde_json::json;
+
+fn main() -> anyhow::Result<()> {
+    let bw = memory_bandwidth();
+    let mut line = serde_json::to_value(bw)?;
+    line["cpu"] = json!(cpu_model());
+    println!("{line}");
+    Ok(())
+}
