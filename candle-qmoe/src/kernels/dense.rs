@@ -354,10 +354,15 @@ pub fn int8_matmul(isa: CpuIsa, x: &[f32], m: usize, w: &Int8Matrix) -> Vec<f32>
                 let r = b * ROW_BLOCK + i;
                 let wq = &w.q[r * padded..(r + 1) * padded];
                 let ws = &w.scales[r * groups..(r + 1) * groups];
-                for (t, y) in o.iter_mut().enumerate() {
-                    let xq = &acts.q[t * padded..(t + 1) * padded];
-                    let xs = &acts.scales[t * groups..(t + 1) * groups];
-                    *y = int8_dot(isa, wq, ws, xq, xs);
+                // Tokens in fours: each weight group is loaded once for four activation rows.
+                for (t0, o) in (0..m).step_by(INT8_TOKENS).zip(o.chunks_mut(INT8_TOKENS)) {
+                    let xq = |t: usize| &acts.q[t * padded..(t + 1) * padded];
+                    let xs = |t: usize| &acts.scales[t * groups..(t + 1) * groups];
+                    let mut rows: [(&[i8], &[f32]); INT8_TOKENS] = [(&[], &[]); INT8_TOKENS];
+                    for (j, row) in rows.iter_mut().take(o.len()).enumerate() {
+                        *row = (xq(t0 + j), xs(t0 + j));
+                    }
+                    int8_dots(isa, wq, ws, &rows[..o.len()], o);
                 }
             }
         });
@@ -373,22 +378,30 @@ pub fn int8_matmul(isa: CpuIsa, x: &[f32], m: usize, w: &Int8Matrix) -> Vec<f32>
     y
 }
 
-/// `Σ_g ws[g] · xs[g] · Σ_{i ∈ g} wq[i] · xq[i]` over whole groups.
+/// Activation rows sharing one pass over an INT8 weight row.
+const INT8_TOKENS: usize = 4;
+
+/// `out[j] = Σ_g ws[g] · xs_j[g] · Σ_{i ∈ g} wq[i] · xq_j[i]` over whole groups, for up to
+/// [`INT8_TOKENS`] activation rows `(xq_j, xs_j)`.
 #[inline]
-fn int8_dot(isa: CpuIsa, wq: &[i8], ws: &[half::f16], xq: &[i8], xs: &[f32]) -> f32 {
+fn int8_dots(isa: CpuIsa, wq: &[i8], ws: &[half::f16], rows: &[(&[i8], &[f32])], out: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `int8_matmul` checked that the CPU supports `isa` (AVX2 at least).
-        CpuIsa::Avx2 | CpuIsa::Avx512Vnni => unsafe { x86_int8::dot(wq, ws, xq, xs) },
-        _ => wq
-            .chunks_exact(INT8_GROUP)
-            .zip(xq.chunks_exact(INT8_GROUP))
-            .zip(ws.iter().zip(xs))
-            .map(|((w, x), (sw, sx))| {
-                let d: i32 = w.iter().zip(x).map(|(&a, &b)| a as i32 * b as i32).sum();
-                d as f32 * (sw.to_f32() * sx)
-            })
-            .sum(),
+        CpuIsa::Avx2 | CpuIsa::Avx512Vnni => unsafe { x86_int8::dots(wq, ws, rows, out) },
+        _ => {
+            for ((xq, xs), y) in rows.iter().zip(out) {
+                *y = wq
+                    .chunks_exact(INT8_GROUP)
+                    .zip(xq.chunks_exact(INT8_GROUP))
+                    .zip(ws.iter().zip(xs.iter()))
+                    .map(|((w, x), (sw, sx))| {
+                        let d: i32 = w.iter().zip(x).map(|(&a, &b)| a as i32 * b as i32).sum();
+                        d as f32 * (sw.to_f32() * sx)
+                    })
+                    .sum();
+            }
+        }
     }
 }
 
@@ -398,32 +411,48 @@ mod x86_int8 {
 
     use super::INT8_GROUP;
 
-    /// AVX2 `int8_dot`: `vpmaddubsw` on `|w|` and `x` with `w`'s sign (products of two values in
-    /// `[-127, 127]` pair-summed stay within i16), `vpmaddwd` by ones to i32, then one FMA per
-    /// group with the product of the scales.
+    /// AVX2 `int8_dots`: `vpmaddubsw` on `|w|` and `x` with `w`'s sign (products of two values
+    /// in `[-127, 127]` pair-summed stay within i16), `vpmaddwd` by ones to i32, then one FMA
+    /// per group and row with the product of the scales.
     ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; the slices hold whole groups.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dot(wq: &[i8], ws: &[half::f16], xq: &[i8], xs: &[f32]) -> f32 {
-        let groups = ws.len().min(xs.len());
-        assert!(wq.len() >= groups * INT8_GROUP && xq.len() >= groups * INT8_GROUP);
+    pub(super) unsafe fn dots(
+        wq: &[i8],
+        ws: &[half::f16],
+        rows: &[(&[i8], &[f32])],
+        out: &mut [f32],
+    ) {
+        let groups = ws.len();
+        assert!(wq.len() >= groups * INT8_GROUP && rows.len() <= out.len() && rows.len() <= 4);
+        for (xq, xs) in rows {
+            assert!(xq.len() >= groups * INT8_GROUP && xs.len() >= groups);
+        }
         let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); 2];
+        let mut acc = [_mm256_setzero_ps(); 4];
         for g in 0..groups {
             let w = _mm256_loadu_si256(wq.as_ptr().add(g * INT8_GROUP) as *const __m256i);
-            let x = _mm256_loadu_si256(xq.as_ptr().add(g * INT8_GROUP) as *const __m256i);
-            let prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-            let sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
+            let wabs = _mm256_sign_epi8(w, w);
             // F16C conversion of the weight scale (half's `to_f32` is not inlined here).
             let sw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(ws[g].to_bits() as i32)));
-            let s = sw * xs[g];
-            acc[g % 2] = _mm256_fmadd_ps(sum, _mm256_set1_ps(s), acc[g % 2]);
+            for (j, (xq, xs)) in rows.iter().enumerate() {
+                let x = _mm256_loadu_si256(xq.as_ptr().add(g * INT8_GROUP) as *const __m256i);
+                let prod = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, w));
+                let sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
+                // A single row alternates two chains to hide the FMA latency.
+                let a = if rows.len() == 1 { g % 2 } else { j };
+                acc[a] = _mm256_fmadd_ps(sum, _mm256_set1_ps(sw * xs[g]), acc[a]);
+            }
         }
-        let v = _mm256_add_ps(acc[0], acc[1]);
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
+        if rows.len() == 1 {
+            acc[0] = _mm256_add_ps(acc[0], acc[1]);
+        }
+        for (y, v) in out.iter_mut().zip(&acc[..rows.len()]) {
+            let s = _mm_add_ps(_mm256_castps256_ps128(*v), _mm256_extractf128_ps(*v, 1));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+            *y = _mm_cvtss_f32(s);
+        }
     }
 }
