@@ -1,10 +1,18 @@
 //! Packs a checkpoint's routed experts into a `.qmoe` file (INT4 weights, FP16 group scales);
 //! everything else stays in the checkpoint. `generate --pack FILE` loads it.
 //!
+//! The checkpoint is read layer by layer from its memory-mapped safetensors and each layer is
+//! written to the file as soon as it is packed, so the memory used stays at about one layer
+//! whatever the model's size. `--synthetic KIND --save-checkpoint DIR` first writes a synthetic
+//! model as a Hugging Face folder (BF16 safetensors shards, config, tokenizer), which is then
+//! quantized like any `--model-dir` (and which other tools, e.g. llama.cpp's converter, read too).
+//!
 //! ```text
 //! cargo run --release --example quantize -- --model-id allenai/OLMoE-1B-7B-0924-Instruct \
 //!     --out olmoe-0924-instruct-g128.qmoe
 //! cargo run --release --example quantize -- --model-dir tests/fixtures/olmoe-tiny --out tiny.qmoe
+//! cargo run --release --example quantize -- --synthetic olmoe --save-checkpoint /data/olmoe-synthetic \
+//!     --out olmoe-synthetic-g128.qmoe
 //! ```
 
 use std::path::PathBuf;
@@ -14,6 +22,12 @@ use anyhow::{bail, Result};
 use candle_qmoe::models::{AnyConfig, ModelConfig, QuantizeOptions};
 use candle_qmoe::pack::{GroupSize, PackFile, ScaleSearch};
 use candle_qmoe::plan::format_bytes;
+use candle_qmoe::synthetic::SyntheticKind;
+use candle_qmoe_suite::checkpoint::{
+    quantize_to_file_with_progress, resolve_checkpoint, write_synthetic_checkpoint,
+};
+use candle_qmoe_suite::model::parse_arg;
+use candle_qmoe_suite::system::peak_rss_bytes;
 use clap::{Parser, ValueEnum};
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -34,33 +48,74 @@ struct Args {
     #[arg(long)]
     revision: Option<String>,
     /// Local checkpoint folder (config.json + safetensors) instead of the hub.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "synthetic")]
     model_dir: Option<PathBuf>,
+    /// Synthetic model (tiny, olmoe or qwen2moe: real shapes, random BF16 weights) to write as a
+    /// checkpoint folder with --save-checkpoint, instead of reading one.
+    #[arg(long, value_parser = parse_arg::<SyntheticKind>, requires = "save_checkpoint",
+          conflicts_with_all = ["model_id", "revision"])]
+    synthetic: Option<SyntheticKind>,
+    /// Seed of the synthetic model's weights (the same as `generate --synthetic-seed`).
+    #[arg(long, default_value_t = 42, requires = "synthetic")]
+    synthetic_seed: u64,
+    /// New folder to write the --synthetic model into: config.json, generation_config.json,
+    /// BF16 safetensors shards with their index, tokenizer.json and tokenizer_config.json. With
+    /// --out the folder is then quantized like any --model-dir.
+    #[arg(long, requires = "synthetic")]
+    save_checkpoint: Option<PathBuf>,
     /// Columns per FP16 scale: 32, 64, 128 or 256.
     #[arg(long, default_value_t = 128)]
     group_size: usize,
     /// How group scales are chosen.
     #[arg(long, value_enum, default_value = "mse")]
     scale_search: Search,
-    /// Output file.
-    #[arg(long)]
-    out: PathBuf,
+    /// Output .qmoe file (optional with --save-checkpoint, which alone only writes the folder).
+    #[arg(long, required_unless_present = "save_checkpoint")]
+    out: Option<PathBuf>,
     /// Overwrite an existing output file.
     #[arg(long)]
     force: bool,
 }
 
+/// `peak RSS X` for the end-of-run lines (empty where /proc is missing).
+fn peak_rss() -> String {
+    peak_rss_bytes().map_or(String::new(), |b| format!(", peak RSS {}", format_bytes(b)))
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     let group_size = GroupSize::new(args.group_size)?;
-    if args.out.exists() && !args.force {
-        bail!(
-            "`{}` exists; pass --force to overwrite it",
-            args.out.display()
-        );
+    if let Some(out) = args.out.as_ref().filter(|o| o.exists() && !args.force) {
+        bail!("`{}` exists; pass --force to overwrite it", out.display());
     }
-    let ckpt = candle_qmoe_suite::checkpoint::resolve_checkpoint(
-        args.model_dir.as_deref(),
+    let mut model_dir = args.model_dir.clone();
+    if let (Some(kind), Some(dir)) = (args.synthetic, &args.save_checkpoint) {
+        if std::fs::read_dir(dir).is_ok_and(|mut d| d.next().is_some()) {
+            bail!(
+                "`{}` is not empty; remove it or choose another folder",
+                dir.display()
+            );
+        }
+        let start = Instant::now();
+        let written = write_synthetic_checkpoint(kind, args.synthetic_seed, dir)?;
+        println!(
+            "wrote the synthetic {kind} model (seed {}) to `{}`: {} tensors, {} of BF16 weights \
+             in {} shard(s), in {:.1} s{}",
+            args.synthetic_seed,
+            dir.display(),
+            written.tensors,
+            format_bytes(written.tensor_bytes),
+            written.shards.len(),
+            start.elapsed().as_secs_f64(),
+            peak_rss()
+        );
+        model_dir = Some(dir.clone());
+    }
+    let Some(out) = &args.out else {
+        return Ok(());
+    };
+    let ckpt = resolve_checkpoint(
+        model_dir.as_deref(),
         &args.model_id,
         args.revision.as_deref(),
     )?;
@@ -87,30 +142,34 @@ fn main() -> Result<()> {
         source_revision: ckpt.revision.clone(),
     };
     let start = Instant::now();
-    let pack = candle_qmoe_suite::checkpoint::quantize_with_progress(&ckpt.dir, &opts)?;
+    quantize_to_file_with_progress(&ckpt.dir, out, &opts)?;
     let quantized = start.elapsed();
-    pack.save(&args.out)?;
-    drop(pack);
     // Read it back, every slab checked against its checksum: what `generate --pack` will see.
-    let pack = PackFile::open(&args.out)?;
+    // Each layer's pages are handed back once verified, so the read-back holds one layer too.
+    let pack = PackFile::open(out)?;
     let verify = Instant::now();
-    pack.verify()?;
+    for i in pack.layer_indices() {
+        let layer = pack.layer(i)?;
+        layer.verify()?;
+        layer.release_pages();
+    }
     let verified = verify.elapsed();
     let l = pack.meta().layout;
     let experts = pack.layer_indices().count() * pack.meta().num_experts;
     let bf16_bytes = (experts * 3 * l.hidden * l.intermediate * 2) as u64;
-    let file_bytes = std::fs::metadata(&args.out)?.len();
+    let file_bytes = std::fs::metadata(out)?.len();
     println!(
         "wrote {}: {} ({} of packed experts) for {} of BF16 experts ({:.2}×), \
-         quantized in {:.1} s, verified in {:.2} s, total {:.1} s",
-        args.out.display(),
+         quantized and written in {:.1} s, verified in {:.2} s, total {:.1} s{}",
+        out.display(),
         format_bytes(file_bytes),
         format_bytes(pack.total_bytes() as u64),
         format_bytes(bf16_bytes),
         bf16_bytes as f64 / file_bytes as f64,
         quantized.as_secs_f64(),
         verified.as_secs_f64(),
-        start.elapsed().as_secs_f64()
+        start.elapsed().as_secs_f64(),
+        peak_rss()
     );
     Ok(())
 }

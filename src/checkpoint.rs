@@ -1,11 +1,16 @@
-//! Finding a checkpoint: a local Hugging Face folder or a download from the hub, and the
-//! quantization of its routed experts into a pack with a progress bar.
+//! Finding a checkpoint: a local Hugging Face folder or a download from the hub; the
+//! quantization of its routed experts into a pack with a progress bar; a synthetic model written
+//! as a checkpoint folder.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use candle_qmoe::models::{quantize_checkpoint, QuantizeOptions};
-use candle_qmoe::pack::PackFile;
+use candle_qmoe::models::{
+    quantize_checkpoint, quantize_checkpoint_to_file, AnyConfig, ModelConfig, QuantizeOptions,
+};
+use candle_qmoe::pack::{PackFile, PackMeta};
+use candle_qmoe::synthetic::checkpoint::{SyntheticCheckpoint, WrittenCheckpoint};
+use candle_qmoe::synthetic::SyntheticKind;
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// A checkpoint folder on disk and where it came from.
@@ -96,15 +101,62 @@ fn download(model_id: &str, revision: &str) -> Result<Checkpoint> {
     })
 }
 
-/// Quantizes the checkpoint's routed experts with a progress bar over (layer, expert).
-pub fn quantize_with_progress(dir: &Path, opts: &QuantizeOptions) -> Result<PackFile> {
-    let bar = ProgressBar::new(0).with_style(ProgressStyle::with_template(
-        "quantizing experts [{elapsed_precise}] {wide_bar} {pos}/{len} ({eta} left)",
+/// A progress bar over the (layer, expert)s of the checkpoint in `dir` that shows the MoE layer
+/// being quantized, and its `on_progress(done, total)` callback.
+fn quantize_bar(dir: &Path) -> Result<(ProgressBar, impl Fn(usize, usize) + Sync)> {
+    let spec = AnyConfig::from_file(dir.join("config.json"))?.spec()?;
+    let (layers, experts) = (spec.moe_layers().len(), spec.uniform_moe()?.num_experts);
+    let bar = ProgressBar::new((layers * experts) as u64).with_style(ProgressStyle::with_template(
+        "quantizing experts [{elapsed_precise}] {wide_bar} {pos}/{len} {msg} ({eta} left)",
     )?);
-    let pack = quantize_checkpoint(dir, opts, &|done, total| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-    });
+    let tick = bar.clone();
+    Ok((bar, move |done: usize, total: usize| {
+        tick.set_length(total as u64);
+        tick.set_position(done as u64);
+        let layer = (done.saturating_sub(1) / experts.max(1) + 1).min(layers);
+        tick.set_message(format!("(MoE layer {layer}/{layers})"));
+    }))
+}
+
+/// Quantizes the checkpoint's routed experts into a pack in memory, with a progress bar.
+pub fn quantize_with_progress(dir: &Path, opts: &QuantizeOptions) -> Result<PackFile> {
+    let (bar, on_progress) = quantize_bar(dir)?;
+    let pack = quantize_checkpoint(dir, opts, &on_progress);
     bar.finish();
     Ok(pack?)
+}
+
+/// Quantizes the checkpoint's routed experts straight into the `.qmoe` file `out`, one layer at
+/// a time (see [`quantize_checkpoint_to_file`]), with a progress bar.
+pub fn quantize_to_file_with_progress(
+    dir: &Path,
+    out: &Path,
+    opts: &QuantizeOptions,
+) -> Result<PackMeta> {
+    let (bar, on_progress) = quantize_bar(dir)?;
+    let meta = quantize_checkpoint_to_file(dir, out, opts, &on_progress);
+    bar.finish();
+    Ok(meta?)
+}
+
+/// Writes the synthetic model `kind` (weights from `seed`) as a Hugging Face checkpoint folder
+/// `dir` with the bundled tokenizer (see [`SyntheticCheckpoint`]), with a progress bar.
+pub fn write_synthetic_checkpoint(
+    kind: SyntheticKind,
+    seed: u64,
+    dir: &Path,
+) -> Result<WrittenCheckpoint> {
+    let model_type = AnyConfig::from_json_str(&kind.config_json().to_string())?.model_type();
+    let files = crate::tokenizer::bundled_tokenizer_files(model_type)?;
+    let files: Vec<(&str, &[u8])> = files.iter().map(|(n, b)| (*n, b.as_slice())).collect();
+    let bar = ProgressBar::new(0).with_style(ProgressStyle::with_template(
+        "writing checkpoint [{elapsed_precise}] {wide_bar} {binary_bytes}/{binary_total_bytes} \
+         ({binary_bytes_per_sec}, {eta} left)",
+    )?);
+    let written = SyntheticCheckpoint::new(kind, seed).write(dir, &files, &|done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    });
+    bar.finish();
+    Ok(written?)
 }

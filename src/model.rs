@@ -511,7 +511,7 @@ fn int4_pack(args: &ModelArgs, ckpt: &crate::checkpoint::Checkpoint) -> Result<P
     };
     if !path.exists() {
         println!("creating the expert pack `{}`", path.display());
-        crate::checkpoint::quantize_with_progress(&ckpt.dir, &opts)?.save(path)?;
+        crate::checkpoint::quantize_to_file_with_progress(&ckpt.dir, path, &opts)?;
     }
     let pack = PackFile::open(path)?;
     if args.verify {

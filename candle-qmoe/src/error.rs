@@ -37,6 +37,14 @@ pub enum QmoeError {
         /// Why.
         source: std::io::Error,
     },
+    /// A file could not be written.
+    #[error("cannot write `{path}`: {source}")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
     /// A file is not what it should be (malformed JSON, missing fields, inconsistent contents).
     #[error("invalid {file}: {reason}")]
     InvalidFile {

@@ -15,7 +15,8 @@
 //! * [`parity`] — fidelity metrics against a transformers golden file.
 //! * [`plan`] — memory prediction per component and the fit of the expert cache to a budget.
 //! * [`synthetic`] — deterministic random weights and routings with realistic scales, and whole
-//!   synthetic models with the real shapes.
+//!   synthetic models with the real shapes, in memory or written as Hugging Face checkpoints.
+//! * [`safetensors_writer`] — safetensors files written tensor by tensor (checkpoints, packs).
 //! * [`error`] — [`QmoeError`], one variant per kind of problem: loading, configuration and pack
 //!   APIs return [`Result`]; compute paths return `candle::Result`, from whose errors
 //!   [`QmoeError::find`] recovers ours.
@@ -81,6 +82,7 @@ pub mod pack;
 pub mod parity;
 pub mod plan;
 pub mod residency;
+pub mod safetensors_writer;
 pub mod synthetic;
 
 pub use error::{QmoeError, Result};

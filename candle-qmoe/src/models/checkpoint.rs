@@ -1,19 +1,20 @@
-//! Hugging Face checkpoint folders: finding the weight files (single file or sharded), the
-//! checkpoint's fingerprint, and packing its routed experts into a [`PackFile`].
+//! Hugging Face checkpoint folders: finding the weight files (single file or sharded), reading
+//! their tensors (through a Candle `VarBuilder`, or raw with [`CheckpointTensors`]) and the
+//! checkpoint's fingerprint.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
+use safetensors::Dtype;
 
 use super::config::ModelConfig;
 use super::AnyConfig;
 use crate::pack::file::checkpoint_fingerprint;
-use crate::pack::{ExpertLayout, GroupSize, LayerPack, PackFile, PackMeta, ScaleSearch};
-use crate::{QmoeError, SparseMoe};
+use crate::QmoeError;
 
 /// The single-file checkpoint name.
 pub const SINGLE_FILE: &str = "model.safetensors";
@@ -164,105 +165,174 @@ pub fn fingerprint(dir: impl AsRef<Path>) -> crate::Result<String> {
     let config_path = dir.join("config.json");
     let config = super::read_config_text(&config_path)?;
     let spec = AnyConfig::from_json_str(&config)?.spec()?;
-    let files = checkpoint_files(dir)?;
     // SAFETY: read-only maps, dropped before returning; the same contract as `mmap_checkpoint`.
-    let st = unsafe { candle::safetensors::MmapedSafetensors::multi(&files)? };
+    let st = unsafe { CheckpointTensors::open(dir)? };
     let routers = spec
         .moe_layers()
         .into_iter()
-        .map(|i| {
-            let name = router_weight_name(i);
-            st.get(&name).map_err(|_| QmoeError::InvalidCheckpoint {
-                dir: dir.to_path_buf(),
+        .map(|i| Ok(st.get(&router_weight_name(i))?.data))
+        .collect::<crate::Result<Vec<_>>>()?;
+    Ok(checkpoint_fingerprint(config.as_bytes(), routers))
+}
+
+/// One tensor of a checkpoint as stored: element type, shape and raw little-endian bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct RawTensor<'a> {
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape (row-major).
+    pub shape: &'a [usize],
+    /// The stored bytes.
+    pub data: &'a [u8],
+}
+
+/// Where one tensor lies: its shard, its byte range in the shard, its dtype and shape.
+struct Located {
+    shard: usize,
+    range: Range<usize>,
+    dtype: Dtype,
+    shape: Vec<usize>,
+}
+
+/// The tensors of a checkpoint folder (see [`checkpoint_files`]), memory-mapped and read as
+/// stored: no Candle tensor is made, so a reader converts exactly what it needs, where it needs
+/// it, and can hand the pages of what it has read back to the system ([`Self::release`]).
+pub struct CheckpointTensors {
+    dir: PathBuf,
+    shards: Vec<memmap2::Mmap>,
+    tensors: HashMap<String, Located>,
+}
+
+impl CheckpointTensors {
+    /// Memory-maps every shard of the checkpoint in `dir` and reads their headers; a damaged
+    /// header is a [`QmoeError::InvalidCheckpoint`] naming the folder and the file.
+    ///
+    /// # Safety
+    /// The files must not be modified while this value or a tensor borrowed from it is alive
+    /// (the contract of [`mmap_checkpoint`]).
+    pub unsafe fn open(dir: impl AsRef<Path>) -> crate::Result<Self> {
+        let dir = dir.as_ref().to_path_buf();
+        let mut shards = Vec::new();
+        let mut tensors = HashMap::new();
+        for path in checkpoint_files(&dir)? {
+            let invalid = |reason: String| QmoeError::InvalidCheckpoint {
+                dir: dir.clone(),
+                reason: format!("`{}`: {reason}", path.display()),
+            };
+            let file = std::fs::File::open(&path).map_err(|source| QmoeError::Io {
+                path: path.clone(),
+                source,
+            })?;
+            // SAFETY: forwarded to the caller (the file is not modified while mapped).
+            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| invalid(e.to_string()))?;
+            let (n, header) = safetensors::SafeTensors::read_metadata(&map)
+                .map_err(|e| invalid(format!("not a readable safetensors file: {e}")))?;
+            // `read_metadata` checked that the tensors tile the data section up to the end of
+            // the file, each with the bytes its shape and dtype need.
+            let start = 8 + n;
+            for (name, info) in header.tensors() {
+                let located = Located {
+                    shard: shards.len(),
+                    range: start + info.data_offsets.0..start + info.data_offsets.1,
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                };
+                if tensors.insert(name.clone(), located).is_some() {
+                    return Err(invalid(format!("tensor `{name}` is stored twice")));
+                }
+            }
+            shards.push(map);
+        }
+        Ok(Self {
+            dir,
+            shards,
+            tensors,
+        })
+    }
+
+    /// The checkpoint folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn locate(&self, name: &str) -> crate::Result<&Located> {
+        self.tensors
+            .get(name)
+            .ok_or_else(|| QmoeError::InvalidCheckpoint {
+                dir: self.dir.clone(),
                 reason: format!("no tensor `{name}`"),
             })
+    }
+
+    /// The tensor `name` as stored; a missing one is a [`QmoeError::InvalidCheckpoint`].
+    pub fn get(&self, name: &str) -> crate::Result<RawTensor<'_>> {
+        let t = self.locate(name)?;
+        Ok(RawTensor {
+            dtype: t.dtype,
+            shape: &t.shape,
+            data: &self.shards[t.shard][t.range.clone()],
         })
-        .collect::<crate::Result<Vec<_>>>()?;
-    Ok(checkpoint_fingerprint(
-        config.as_bytes(),
-        routers.iter().map(|v| v.data()),
-    ))
-}
+    }
 
-/// How [`quantize_checkpoint`] packs the experts, and the source it records.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct QuantizeOptions {
-    /// Columns per FP16 scale.
-    pub group_size: GroupSize,
-    /// How scales are chosen.
-    pub search: ScaleSearch,
-    /// Source model id recorded in the pack (empty: the folder's path).
-    pub source_model: String,
-    /// Source revision recorded in the pack (hub commit, or `local`).
-    pub source_revision: String,
-}
+    /// The tensor `name`, which must have `shape`, converted to F32 into `out` (resized to fit)
+    /// from F32, BF16 or F16; another shape or dtype is a [`QmoeError::InvalidCheckpoint`].
+    pub fn read_f32(&self, name: &str, shape: &[usize], out: &mut Vec<f32>) -> crate::Result<()> {
+        let t = self.get(name)?;
+        let invalid = |reason: String| QmoeError::InvalidCheckpoint {
+            dir: self.dir.clone(),
+            reason: format!("tensor `{name}` {reason}"),
+        };
+        if t.shape != shape {
+            return Err(invalid(format!(
+                "has shape {:?}, expected {shape:?}",
+                t.shape
+            )));
+        }
+        let n = shape.iter().product::<usize>();
+        out.resize(n, 0.0);
+        match t.dtype {
+            Dtype::F32 => convert(t.data, out, f32::from_le_bytes),
+            Dtype::BF16 => convert(t.data, out, |b| half::bf16::from_le_bytes(b).to_f32()),
+            Dtype::F16 => convert(t.data, out, |b| half::f16::from_le_bytes(b).to_f32()),
+            other => return Err(invalid(format!("is {other:?}, not F32, BF16 or F16"))),
+        }
+        Ok(())
+    }
 
-impl Default for QuantizeOptions {
-    fn default() -> Self {
-        Self {
-            group_size: GroupSize::default(),
-            search: ScaleSearch::default(),
-            source_model: String::new(),
-            source_revision: "local".into(),
+    /// Asks the system to read the tensors `names` from disk now (a hint: it returns at once).
+    pub fn prefetch<'a>(&self, names: impl IntoIterator<Item = &'a str>) {
+        for name in names {
+            if let Ok(t) = self.locate(name) {
+                let advice = memmap2::Advice::WillNeed;
+                let _ = self.shards[t.shard].advise_range(advice, t.range.start, t.range.len());
+            }
+        }
+    }
+
+    /// Drops the pages of the tensors `names` from this process's memory (they stay in the
+    /// system's file cache, and are read again if used again), so reading a checkpoint piece by
+    /// piece keeps the resident memory at about one piece.
+    pub fn release<'a>(&self, names: impl IntoIterator<Item = &'a str>) {
+        for name in names {
+            if let Ok(t) = self.locate(name) {
+                // SAFETY: the map is a read-only view of a file that is not modified (see
+                // `open`): after MADV_DONTNEED a page is read back from the file with the same
+                // bytes, so no borrowed slice ever sees different data.
+                let _ = unsafe {
+                    self.shards[t.shard].unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        t.range.start,
+                        t.range.len(),
+                    )
+                };
+            }
         }
     }
 }
 
-/// Quantizes every MoE layer's routed experts of the checkpoint in `dir` to INT4 and returns the
-/// pack in memory (write it with [`PackFile::save`]).
-///
-/// Experts are read one at a time from the memory-mapped checkpoint (in F32, whatever the stored
-/// dtype) and quantized in parallel, so only the packed bytes and the experts being quantized are
-/// held in memory. `on_progress(done, total)` is called after each (layer, expert).
-pub fn quantize_checkpoint(
-    dir: impl AsRef<Path>,
-    opts: &QuantizeOptions,
-    on_progress: &(dyn Fn(usize, usize) + Sync),
-) -> crate::Result<PackFile> {
-    let dir = dir.as_ref();
-    let spec = AnyConfig::from_file(dir.join("config.json"))?.spec()?;
-    let moe = spec.uniform_moe()?.clone();
-    let fingerprint = fingerprint(dir)?;
-    let layout = ExpertLayout {
-        hidden: spec.hidden_size,
-        intermediate: moe.intermediate_size,
-        group_size: opts.group_size,
-    };
-    // SAFETY: see `mmap_checkpoint`; the maps live only during quantization.
-    let vb = unsafe { mmap_checkpoint(dir, DType::F32, &Device::Cpu)? };
-    let layers = spec.moe_layers();
-    let total = layers.len() * moe.num_experts;
-    let done = AtomicUsize::new(0);
-    let tick = || on_progress(done.fetch_add(1, Ordering::Relaxed) + 1, total);
-    let packs = layers
-        .into_iter()
-        .map(|i| {
-            let vb = vb.pp(format!("model.layers.{i}.mlp"));
-            let load =
-                |e| SparseMoe::load_dense_expert(layout.hidden, layout.intermediate, e, vb.clone());
-            let pack = LayerPack::quantize_with(
-                &vb.prefix(),
-                moe.num_experts,
-                layout,
-                opts.search,
-                load,
-                &tick,
-            )?;
-            Ok((i, pack))
-        })
-        .collect::<crate::Result<Vec<_>>>()?;
-    let source_model = if opts.source_model.is_empty() {
-        dir.display().to_string()
-    } else {
-        opts.source_model.clone()
-    };
-    let meta = PackMeta {
-        layout,
-        num_experts: moe.num_experts,
-        scale_search: opts.search,
-        source_model,
-        source_revision: opts.source_revision.clone(),
-        fingerprint,
-    };
-    PackFile::from_layers(meta, packs)
+/// Little-endian values of `N` bytes each, converted by `f`, into `out` (the loop vectorizes).
+fn convert<const N: usize>(data: &[u8], out: &mut [f32], f: impl Fn([u8; N]) -> f32) {
+    for (o, b) in out.iter_mut().zip(data.chunks_exact(N)) {
+        *o = f(b.try_into().expect("chunks of N bytes"));
+    }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use candle::DType;
 use candle_nn::VarBuilder;
 
-use crate::pack::{ExpertLayout, GroupSize, LayerPack, PackFile, ScaleSearch};
+use crate::pack::{ExpertLayout, ExpertWeights, GroupSize, LayerPack, PackFile, ScaleSearch};
 use crate::residency::{Residency, ResidencyOptions};
 use crate::{DenseExperts, Int4Experts, RoutedExperts, SparseMoe};
 
@@ -86,8 +86,12 @@ impl ExpertsLoader for ExpertsBackend {
                     group_size,
                 };
                 let vb32 = vb.to_dtype(DType::F32);
-                let load = |e| SparseMoe::load_dense_expert(h, i, e, vb32.clone());
-                let pack = LayerPack::quantize_with(&vb.prefix(), n, layout, search, load, &|| {})?;
+                let name = vb.prefix();
+                let read = |e, w: &mut ExpertWeights| {
+                    let dense = SparseMoe::load_dense_expert(h, i, e, vb32.clone())?;
+                    w.read_dense(&format!("{name}.experts.{e}"), &dense, layout)
+                };
+                let pack = LayerPack::quantize_with(&name, n, layout, search, read, &|| {})?;
                 Arc::new(Int4Experts::new(pack))
             }
         })

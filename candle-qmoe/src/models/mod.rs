@@ -28,16 +28,16 @@ pub mod config;
 pub mod experts;
 pub mod layers;
 pub mod olmoe;
+pub mod quantize;
 pub mod qwen2_moe;
 
 use std::path::Path;
 
 pub use causal_lm::MoeForCausalLm;
-pub use checkpoint::{
-    checkpoint_files, fingerprint, mmap_checkpoint, quantize_checkpoint, QuantizeOptions,
-};
+pub use checkpoint::{checkpoint_files, fingerprint, mmap_checkpoint, CheckpointTensors};
 pub use config::{AttentionSpec, CommonConfig, FfnSpec, ModelConfig, ModelSpec, MoeSpec};
 pub use experts::{ExpertDims, ExpertsBackend, ExpertsLoader, PackedExperts};
+pub use quantize::{quantize_checkpoint, quantize_checkpoint_to_file, QuantizeOptions};
 
 use crate::QmoeError;
 

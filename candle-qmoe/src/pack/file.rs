@@ -13,9 +13,11 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::Arc;
 
+use safetensors::Dtype;
 use sha2::{Digest, Sha256};
 
 use super::{ExpertLayout, GroupSize, LayerPack, ScaleSearch, SlabOrigin};
+use crate::safetensors_writer::{SafetensorsWriter, TensorSpec};
 use crate::QmoeError;
 
 /// Format marker stored under `format`.
@@ -102,6 +104,85 @@ fn check_layer(meta: &PackMeta, i: usize, p: &LayerPack) -> crate::Result<()> {
     Ok(())
 }
 
+/// Writes a `.qmoe` file one layer at a time, so a pack of any size is written while holding
+/// one layer: the header (shapes are known from the metadata) comes first, then each layer's
+/// slabs as it is given, then the checksums of every slab (data section order:
+/// `layers.{i}.experts` for each layer in order, then `layers.{i}.checksums`).
+pub struct PackWriter {
+    out: SafetensorsWriter,
+    meta: PackMeta,
+    layers: Vec<usize>,
+    checksums: Vec<u32>,
+}
+
+impl PackWriter {
+    /// Starts the file at `path` for the MoE layers `layers` (in the order they will be
+    /// written) with the header `meta`.
+    pub fn create(
+        path: &Path,
+        meta: &PackMeta,
+        layers: impl IntoIterator<Item = usize>,
+    ) -> crate::Result<Self> {
+        let layers: Vec<usize> = layers.into_iter().collect();
+        let l = meta.layout;
+        let info: HashMap<String, String> = [
+            ("format", FORMAT.to_string()),
+            ("format_version", FORMAT_VERSION.to_string()),
+            ("hidden", l.hidden.to_string()),
+            ("intermediate", l.intermediate.to_string()),
+            ("group_size", l.group_size.get().to_string()),
+            ("num_experts", meta.num_experts.to_string()),
+            (
+                "scale_search",
+                format!("{:?}", meta.scale_search).to_lowercase(),
+            ),
+            ("source_model", meta.source_model.clone()),
+            ("source_revision", meta.source_revision.clone()),
+            ("fingerprint", meta.fingerprint.clone()),
+            ("layers", serde_json::json!(layers).to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        let slabs = layers.iter().map(|&i| {
+            TensorSpec::new(
+                tensor_name(i),
+                Dtype::U8,
+                vec![meta.num_experts, l.slab_bytes()],
+            )
+        });
+        let sums = layers
+            .iter()
+            .map(|&i| TensorSpec::new(checksums_name(i), Dtype::U32, vec![meta.num_experts]));
+        let out = SafetensorsWriter::create(path, Some(info), slabs.chain(sums).collect())?;
+        Ok(Self {
+            out,
+            meta: meta.clone(),
+            layers,
+            checksums: Vec::new(),
+        })
+    }
+
+    /// Appends layer `i`'s slabs; layers must come in the order given to [`Self::create`] and
+    /// match the header's layout.
+    pub fn write_layer(&mut self, i: usize, pack: &LayerPack) -> crate::Result<()> {
+        check_layer(&self.meta, i, pack)?;
+        self.out.write(&tensor_name(i), pack.bytes())?;
+        self.checksums.extend_from_slice(pack.checksums());
+        Ok(())
+    }
+
+    /// Appends the checksums and puts the file in place (see [`SafetensorsWriter::finish`]).
+    pub fn finish(mut self) -> crate::Result<()> {
+        let experts = self.meta.num_experts;
+        for (i, sums) in self.layers.iter().zip(self.checksums.chunks(experts)) {
+            let bytes: Vec<u8> = sums.iter().flat_map(|c| c.to_le_bytes()).collect();
+            self.out.write(&checksums_name(*i), &bytes)?;
+        }
+        self.out.finish().map(|_| ())
+    }
+}
+
 impl PackFile {
     /// A pack held in memory (e.g. just quantized, or synthetic), with the same checks as
     /// [`PackFile::open`]: every layer matches `meta`, no layer index appears twice, and there is
@@ -129,9 +210,11 @@ impl PackFile {
 
     /// Writes this pack to `path` (see [`PackFile::write`]).
     pub fn save(&self, path: &Path) -> crate::Result<()> {
-        let layers: Vec<(usize, LayerPack)> =
-            self.layers.iter().map(|(i, p)| (*i, p.clone())).collect();
-        Self::write(path, &self.meta, &layers)
+        let mut w = PackWriter::create(path, &self.meta, self.layers.keys().copied())?;
+        for (i, p) in &self.layers {
+            w.write_layer(*i, p)?;
+        }
+        w.finish()
     }
 
     /// Bytes of packed experts over all layers.
@@ -141,58 +224,11 @@ impl PackFile {
 
     /// Writes `layers` (MoE layer index → pack) with `meta` to `path`.
     pub fn write(path: &Path, meta: &PackMeta, layers: &[(usize, LayerPack)]) -> crate::Result<()> {
-        let mut info: HashMap<String, String> = HashMap::new();
-        let l = meta.layout;
-        for (k, v) in [
-            ("format", FORMAT.to_string()),
-            ("format_version", FORMAT_VERSION.to_string()),
-            ("hidden", l.hidden.to_string()),
-            ("intermediate", l.intermediate.to_string()),
-            ("group_size", l.group_size.get().to_string()),
-            ("num_experts", meta.num_experts.to_string()),
-            (
-                "scale_search",
-                format!("{:?}", meta.scale_search).to_lowercase(),
-            ),
-            ("source_model", meta.source_model.clone()),
-            ("source_revision", meta.source_revision.clone()),
-            ("fingerprint", meta.fingerprint.clone()),
-            (
-                "layers",
-                serde_json::json!(layers.iter().map(|(i, _)| *i).collect::<Vec<_>>()).to_string(),
-            ),
-        ] {
-            info.insert(k.to_string(), v);
+        let mut w = PackWriter::create(path, meta, layers.iter().map(|(i, _)| *i))?;
+        for (i, p) in layers {
+            w.write_layer(*i, p)?;
         }
-        let sums: Vec<Vec<u8>> = layers
-            .iter()
-            .map(|(_, p)| p.checksums().iter().flat_map(|c| c.to_le_bytes()).collect())
-            .collect();
-        let mut views = Vec::with_capacity(2 * layers.len());
-        for ((i, p), sums) in layers.iter().zip(&sums) {
-            check_layer(meta, *i, p)?;
-            let view = |dtype, shape, data| {
-                safetensors::tensor::TensorView::new(dtype, shape, data)
-                    .map_err(candle::Error::from)
-            };
-            let slabs = vec![p.num_experts(), l.slab_bytes()];
-            views.push((
-                tensor_name(*i),
-                view(safetensors::Dtype::U8, slabs, p.bytes())?,
-            ));
-            let count = vec![p.num_experts()];
-            views.push((
-                checksums_name(*i),
-                view(safetensors::Dtype::U32, count, sums)?,
-            ));
-        }
-        safetensors::serialize_to_file(views, Some(info), path).map_err(|e| match e {
-            safetensors::SafeTensorError::IoError(source) => QmoeError::Io {
-                path: path.to_path_buf(),
-                source,
-            },
-            e => candle::Error::from(e).into(),
-        })
+        w.finish()
     }
 
     /// Memory-maps and validates a `.qmoe` file.

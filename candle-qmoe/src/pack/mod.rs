@@ -15,11 +15,13 @@ use candle::{DType, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
-pub use file::{PackFile, PackMeta};
+pub use file::{PackFile, PackMeta, PackWriter};
 pub use integrity::slab_checksum;
 use integrity::{SlabChecks, SlabOrigin};
 pub use layout::{ExpertLayout, QMatrixLayout, SlabOffsets};
-pub use quant::{dequantize_matrix, quantize_matrix, QuantizedMatrix, ScaleSearch};
+pub use quant::{
+    dequantize_matrix, quantize_matrix, quantize_matrix_into, QuantizedMatrix, ScaleSearch,
+};
 
 use crate::QmoeError;
 
@@ -66,7 +68,12 @@ pub struct DenseExpert {
     pub down: Tensor,
 }
 
-fn matrix_f32(name: &str, t: &Tensor, expected: [usize; 2]) -> crate::Result<Vec<f32>> {
+fn matrix_f32(
+    name: &str,
+    t: &Tensor,
+    expected: [usize; 2],
+    out: &mut Vec<f32>,
+) -> crate::Result<()> {
     if t.dims() != expected {
         return Err(QmoeError::ShapeMismatch {
             tensor: name.to_string(),
@@ -74,7 +81,41 @@ fn matrix_f32(name: &str, t: &Tensor, expected: [usize; 2]) -> crate::Result<Vec
             expected: expected.to_vec(),
         });
     }
-    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+    *out = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    Ok(())
+}
+
+/// One expert's weights in F32, row-major: the buffers an expert is read into before
+/// quantization, reused from one expert to the next.
+#[derive(Clone, Debug, Default)]
+pub struct ExpertWeights {
+    /// `gate_proj.weight [I, H]`.
+    pub gate: Vec<f32>,
+    /// `up_proj.weight [I, H]`.
+    pub up: Vec<f32>,
+    /// `down_proj.weight [H, I]`.
+    pub down: Vec<f32>,
+}
+
+impl ExpertWeights {
+    /// Reads `expert` (checking its shapes against `layout`); `name` prefixes the tensor names
+    /// in errors.
+    pub fn read_dense(
+        &mut self,
+        name: &str,
+        expert: &DenseExpert,
+        layout: ExpertLayout,
+    ) -> crate::Result<()> {
+        let (h, i) = (layout.hidden, layout.intermediate);
+        for (proj, t, shape, out) in [
+            ("gate_proj", &expert.gate, [i, h], &mut self.gate),
+            ("up_proj", &expert.up, [i, h], &mut self.up),
+            ("down_proj", &expert.down, [h, i], &mut self.down),
+        ] {
+            matrix_f32(&format!("{name}.{proj}.weight"), t, shape, out)?;
+        }
+        Ok(())
+    }
 }
 
 /// Quantizes one expert into a slab of `layout.slab_bytes()` bytes. `name` prefixes the tensor
@@ -85,39 +126,58 @@ pub fn quantize_expert(
     layout: ExpertLayout,
     search: ScaleSearch,
 ) -> crate::Result<Vec<u8>> {
-    let (h, i) = (layout.hidden, layout.intermediate);
-    let mut gate_up = matrix_f32(&format!("{name}.gate_proj.weight"), &expert.gate, [i, h])?;
-    gate_up.extend(matrix_f32(
-        &format!("{name}.up_proj.weight"),
-        &expert.up,
-        [i, h],
-    )?);
-    let down = matrix_f32(&format!("{name}.down_proj.weight"), &expert.down, [h, i])?;
-    let gu = quantize_matrix(
-        &format!("{name}.gate_up"),
-        &gate_up,
-        layout.gate_up(),
-        search,
-    )?;
-    let dn = quantize_matrix(
-        &format!("{name}.down_proj.weight"),
-        &down,
-        layout.down(),
-        search,
-    )?;
-    let o = layout.offsets();
-    let mut slab = vec![0u8; o.total];
-    slab[o.gate_up_weights..o.gate_up_weights + gu.weights.len()].copy_from_slice(&gu.weights);
-    slab[o.down_weights..o.down_weights + dn.weights.len()].copy_from_slice(&dn.weights);
-    write_scales(&mut slab[o.gate_up_scales..], &gu.scales);
-    write_scales(&mut slab[o.down_scales..], &dn.scales);
+    let mut weights = ExpertWeights::default();
+    weights.read_dense(name, expert, layout)?;
+    let mut slab = vec![0u8; layout.slab_bytes()];
+    quantize_expert_into(name, &weights, layout, search, &mut slab)?;
     Ok(slab)
 }
 
-fn write_scales(dst: &mut [u8], scales: &[f16]) {
-    for (d, s) in dst.chunks_exact_mut(2).zip(scales) {
-        d.copy_from_slice(&s.to_le_bytes());
+/// Quantizes one expert's F32 weights into `slab`, `layout.slab_bytes()` zeroed bytes (the
+/// alignment gaps between its regions are left as they are).
+pub fn quantize_expert_into(
+    name: &str,
+    weights: &ExpertWeights,
+    layout: ExpertLayout,
+    search: ScaleSearch,
+    slab: &mut [u8],
+) -> crate::Result<()> {
+    let o = layout.offsets();
+    if slab.len() != o.total {
+        return Err(QmoeError::InvalidArgument {
+            argument: format!("slab of `{name}`"),
+            reason: format!("{} bytes, the layout needs {}", slab.len(), o.total),
+        });
     }
+    let (gu, dn) = (layout.gate_up(), layout.down());
+    // The regions in slab order: gate/up weights, down weights, gate/up scales, down scales.
+    let (head, down_scales) = slab.split_at_mut(o.down_scales);
+    let (head, gate_up_scales) = head.split_at_mut(o.gate_up_scales);
+    let (head, down_weights) = head.split_at_mut(o.down_weights);
+    let gate_up_weights = &mut head[o.gate_up_weights..o.gate_up_weights + gu.weight_bytes()];
+    // gate is rows 0..I of the stacked gate/up matrix and up rows I..2I; rows are quantized
+    // independently, so each half is quantized as a matrix of its own.
+    let half = QMatrixLayout {
+        rows: layout.intermediate,
+        ..gu
+    };
+    let (gate_w, up_w) = gate_up_weights.split_at_mut(half.weight_bytes());
+    let (gate_s, up_s) =
+        gate_up_scales[..2 * gu.scale_count()].split_at_mut(2 * half.scale_count());
+    for (proj, values, w, s) in [
+        ("gate_proj", &weights.gate, gate_w, gate_s),
+        ("up_proj", &weights.up, up_w, up_s),
+    ] {
+        quantize_matrix_into(&format!("{name}.{proj}.weight"), values, half, search, w, s)?;
+    }
+    quantize_matrix_into(
+        &format!("{name}.down_proj.weight"),
+        &weights.down,
+        dn,
+        search,
+        &mut down_weights[..dn.weight_bytes()],
+        &mut down_scales[..2 * dn.scale_count()],
+    )
 }
 
 /// Reads FP16 scales from little-endian slab bytes.
@@ -217,20 +277,21 @@ impl LayerPack {
             experts.len(),
             layout,
             search,
-            |e| Ok(experts[e].clone()),
+            |e, w| w.read_dense(&format!("{name}.experts.{e}"), &experts[e], layout),
             &|| {},
         )
     }
 
-    /// Quantizes `num_experts` experts that `load` provides one at a time (in parallel), calling
-    /// `on_expert` after each: only the experts being quantized are held in dense form, so a
+    /// Quantizes `num_experts` experts whose F32 weights `read(e, buffers)` puts in `buffers`
+    /// (in parallel, each thread reusing its buffers), calling `on_expert` after each: only the
+    /// experts being quantized are held in dense form, and the slabs are written in place, so a
     /// layer can be packed straight from a memory-mapped checkpoint.
     pub fn quantize_with(
         name: &str,
         num_experts: usize,
         layout: ExpertLayout,
         search: ScaleSearch,
-        load: impl Fn(usize) -> candle::Result<DenseExpert> + Sync,
+        read: impl Fn(usize, &mut ExpertWeights) -> crate::Result<()> + Sync,
         on_expert: &(dyn Fn() + Sync),
     ) -> crate::Result<Self> {
         if num_experts == 0 {
@@ -239,16 +300,27 @@ impl LayerPack {
                 reason: format!("`{name}` has zero experts"),
             });
         }
-        let slabs = (0..num_experts)
-            .into_par_iter()
-            .map(|e| {
-                let slab =
-                    quantize_expert(&format!("{name}.experts.{e}"), &load(e)?, layout, search)?;
+        let n = layout.checked_slab_bytes()?;
+        let total = n
+            .checked_mul(num_experts)
+            .ok_or_else(|| QmoeError::InvalidPack {
+                reason: format!("{num_experts} experts × {n} bytes overflow"),
+            })?;
+        // SAFETY: all-zero bytes are valid `u8`s (and the zeroed gaps between a slab's regions
+        // are what `quantize_expert_into` expects).
+        let mut bytes: Arc<[u8]> = unsafe { Arc::new_zeroed_slice(total).assume_init() };
+        Arc::get_mut(&mut bytes)
+            .expect("a new Arc is unique")
+            .par_chunks_mut(n)
+            .enumerate()
+            .try_for_each_init(ExpertWeights::default, |weights, (e, slab)| {
+                let expert = format!("{name}.experts.{e}");
+                read(e, weights)?;
+                quantize_expert_into(&expert, weights, layout, search, slab)?;
                 on_expert();
-                Ok(slab)
-            })
-            .collect::<crate::Result<Vec<_>>>()?;
-        let bytes = PackBytes::Owned(slabs.concat().into());
+                Ok::<_, QmoeError>(())
+            })?;
+        let bytes = PackBytes::Owned(bytes);
         Self::checked(layout, num_experts, bytes, |b| {
             SlabChecks::computed(SlabOrigin::Memory(format!("`{name}`")), layout, b)
         })
@@ -362,6 +434,24 @@ impl LayerPack {
     /// Verifies every slab not verified yet.
     pub fn verify(&self) -> crate::Result<()> {
         self.verify_experts(0..self.num_experts)
+    }
+
+    /// Hands the pages of a memory-mapped layer back to the system: they leave this process's
+    /// resident memory and are read again from the file when next used (e.g. after a one-off
+    /// [`Self::verify`] of a whole pack). Owned bytes are kept.
+    pub fn release_pages(&self) {
+        if let PackBytes::Mapped(map, range) = &self.bytes {
+            // SAFETY: the map is a read-only view of a `.qmoe` file that must not be modified
+            // while mapped (see `PackFile::open`): after MADV_DONTNEED a page is read back from
+            // the file with the same bytes, so no borrowed slab ever sees different data.
+            let _ = unsafe {
+                map.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    range.start,
+                    range.len(),
+                )
+            };
+        }
     }
 
     /// The checksum of every slab, in expert order, as written to a `.qmoe` file.

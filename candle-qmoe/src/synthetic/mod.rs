@@ -6,6 +6,13 @@
 //! norms = 1) in a VarBuilder and the routed experts generated directly as random INT4 slabs in
 //! an in-memory [`PackFile`]. Random weights produce nonsense text; they exercise exactly the code
 //! and memory traffic of the real model.
+//!
+//! Every weight is a BF16 value (the non-expert weights are rounded to BF16, and the experts'
+//! scales have few enough significant bits that each dequantized weight is exact in BF16), so
+//! [`checkpoint`] can write the same model as a Hugging Face checkpoint folder with BF16 tensors
+//! that loads back to exactly these weights.
+
+pub mod checkpoint;
 
 use std::collections::HashMap;
 use std::str::FromStr;
@@ -356,6 +363,12 @@ fn synthetic_scale() -> f32 {
     WEIGHT_STD * 3f32.sqrt() / 7.0
 }
 
+/// `s` with its mantissa cut to 5 significant bits: a level (at most 3 bits) times such a scale
+/// needs at most 8 significant bits, so every dequantized synthetic weight is exact in BF16.
+fn bf16_exact_scale(s: f16) -> f16 {
+    f16::from_bits(s.to_bits() & !0x3f)
+}
+
 /// Maps 16 random bits to a byte of two nibbles in `1..=15` (levels `-7..=7`), each pair of
 /// levels equally likely to within 0.4%.
 fn level_pair_table() -> Vec<u8> {
@@ -368,7 +381,8 @@ fn level_pair_table() -> Vec<u8> {
 }
 
 /// Fills one expert slab with random levels in `-7..=7` (zero in padding columns) and random
-/// FP16 scales within ±25% of [`synthetic_scale`]. `pairs` is [`level_pair_table`].
+/// FP16 scales within ±25% of [`synthetic_scale`] (with 5 significant bits, see
+/// [`bf16_exact_scale`]). `pairs` is [`level_pair_table`].
 fn random_slab(layout: ExpertLayout, seed: u64, pairs: &[u8], slab: &mut [u8]) {
     let mut rng = SplitMix64(seed);
     let o = layout.offsets();
@@ -396,7 +410,7 @@ fn random_slab(layout: ExpertLayout, seed: u64, pairs: &[u8], slab: &mut [u8]) {
         (o.down_scales, layout.down()),
     ] {
         for d in slab[start..start + 2 * m.scale_count()].chunks_exact_mut(2) {
-            let s = f16::from_f32(base * (0.75 + 0.5 * rng.unit()));
+            let s = bf16_exact_scale(f16::from_f32(base * (0.75 + 0.5 * rng.unit())));
             d.copy_from_slice(&s.to_le_bytes());
         }
     }
@@ -417,8 +431,19 @@ pub fn random_layer_pack(
         .expect("a new Arc is unique")
         .par_chunks_mut(n)
         .enumerate()
-        .for_each(|(e, slab)| random_slab(layout, derive_seed(seed, e as u64), &pairs, slab));
+        .for_each(|(e, slab)| random_expert_slab(seed, layout, e, &pairs, slab));
     LayerPack::from_bytes(layout, num_experts, bytes)
+}
+
+/// Expert `e`'s slab of the layer [`random_layer_pack`] makes from `seed` (zeroed `slab` of
+/// `layout.slab_bytes()` bytes; `pairs` is [`level_pair_table`]).
+fn random_expert_slab(seed: u64, layout: ExpertLayout, e: usize, pairs: &[u8], slab: &mut [u8]) {
+    random_slab(layout, derive_seed(seed, e as u64), pairs, slab)
+}
+
+/// The seed of MoE layer `layer`'s experts in a synthetic model of seed `seed`.
+fn experts_seed(seed: u64, layer: usize) -> u64 {
+    name_seed(seed, &format!("model.layers.{layer}.mlp.experts"))
 }
 
 /// How a non-expert tensor is initialised.
@@ -427,6 +452,34 @@ enum Init {
     Ones,
     /// Uniform with this standard deviation.
     Uniform(f32),
+}
+
+/// One non-expert tensor of a synthetic model: name, shape and initialisation.
+struct NonExpert {
+    name: String,
+    shape: Vec<usize>,
+    init: Init,
+}
+
+impl NonExpert {
+    fn new(name: String, shape: Vec<usize>, init: Init) -> Self {
+        Self { name, shape, init }
+    }
+
+    /// Its values for the model of seed `seed`, rounded to BF16 (as a real checkpoint stores
+    /// them).
+    fn values(&self, seed: u64) -> Vec<f32> {
+        let n = self.shape.iter().product();
+        match self.init {
+            Init::Ones => vec![1f32; n],
+            Init::Uniform(std) => {
+                let mut v = uniform(name_seed(seed, &self.name), n, std);
+                v.par_iter_mut()
+                    .for_each(|x| *x = half::bf16::from_f32(*x).to_f32());
+                v
+            }
+        }
+    }
 }
 
 /// Standard deviation of the synthetic token embeddings. Embeddings as small as the other
@@ -439,86 +492,94 @@ pub const EMBEDDING_STD: f32 = 1.0;
 /// Every tensor the trunk loads except the routed experts, with its shape and initialisation:
 /// norms 1, embeddings [`EMBEDDING_STD`], projections into the residual stream (`o_proj`, dense
 /// and shared `down_proj`) [`WEIGHT_STD`]` / √(2·layers)` as in GPT-2's initialisation, every
-/// other weight and bias [`WEIGHT_STD`].
-fn non_expert_tensors(spec: &ModelSpec) -> Vec<(String, Vec<usize>, Init)> {
+/// other weight and bias [`WEIGHT_STD`]. Listed as a checkpoint stores them: the embeddings, then
+/// each decoder layer's tensors (see [`layer_tensors`]), then the final norm and the head.
+fn non_expert_tensors(spec: &ModelSpec) -> Vec<NonExpert> {
+    let (h, v) = (spec.hidden_size, spec.vocab_size);
+    let mut out = vec![NonExpert::new(
+        "model.embed_tokens.weight".into(),
+        vec![v, h],
+        Init::Uniform(EMBEDDING_STD),
+    )];
+    out.extend((0..spec.num_layers()).flat_map(|i| layer_tensors(spec, i)));
+    out.push(NonExpert::new(
+        "model.norm.weight".into(),
+        vec![h],
+        Init::Ones,
+    ));
+    if !spec.tie_word_embeddings {
+        out.push(NonExpert::new(
+            "lm_head.weight".into(),
+            vec![v, h],
+            Init::Uniform(WEIGHT_STD),
+        ));
+    }
+    out
+}
+
+/// The non-expert tensors of decoder layer `i` (see [`non_expert_tensors`]).
+fn layer_tensors(spec: &ModelSpec, i: usize) -> Vec<NonExpert> {
     use Init::Ones;
     let uniform = Init::Uniform(WEIGHT_STD);
     let residual = Init::Uniform(WEIGHT_STD / (2.0 * spec.num_layers() as f32).sqrt());
-    let (h, v) = (spec.hidden_size, spec.vocab_size);
+    let h = spec.hidden_size;
     let q = spec.num_heads * spec.head_dim;
     let kv = spec.num_kv_heads * spec.head_dim;
     let a = &spec.attention;
+    let p = format!("model.layers.{i}");
+    let t = NonExpert::new;
     let mut out = vec![
-        (
-            "model.embed_tokens.weight".to_string(),
-            vec![v, h],
-            Init::Uniform(EMBEDDING_STD),
-        ),
-        ("model.norm.weight".to_string(), vec![h], Ones),
-    ];
-    if !spec.tie_word_embeddings {
-        out.push(("lm_head.weight".to_string(), vec![v, h], uniform));
-    }
-    let mlp = |out: &mut Vec<_>, p: &str, inter: usize| {
-        for (name, shape) in [
-            ("gate_proj", vec![inter, h]),
-            ("up_proj", vec![inter, h]),
-            ("down_proj", vec![h, inter]),
-        ] {
-            let init = if name == "down_proj" {
-                residual
-            } else {
-                uniform
-            };
-            out.push((format!("{p}.{name}.weight"), shape, init));
-        }
-    };
-    for (i, layer) in spec.layers.iter().enumerate() {
-        let p = format!("model.layers.{i}");
-        out.push((format!("{p}.input_layernorm.weight"), vec![h], Ones));
-        out.push((
+        t(format!("{p}.input_layernorm.weight"), vec![h], Ones),
+        t(
             format!("{p}.post_attention_layernorm.weight"),
             vec![h],
             Ones,
+        ),
+    ];
+    for (name, rows, cols, bias) in [
+        ("q_proj", q, h, a.qkv_bias),
+        ("k_proj", kv, h, a.qkv_bias),
+        ("v_proj", kv, h, a.qkv_bias),
+        ("o_proj", h, q, a.o_bias),
+    ] {
+        let init = if name == "o_proj" { residual } else { uniform };
+        out.push(t(
+            format!("{p}.self_attn.{name}.weight"),
+            vec![rows, cols],
+            init,
         ));
-        for (name, rows, cols, bias) in [
-            ("q_proj", q, h, a.qkv_bias),
-            ("k_proj", kv, h, a.qkv_bias),
-            ("v_proj", kv, h, a.qkv_bias),
-            ("o_proj", h, q, a.o_bias),
-        ] {
-            let init = if name == "o_proj" { residual } else { uniform };
-            out.push((
-                format!("{p}.self_attn.{name}.weight"),
-                vec![rows, cols],
-                init,
+        if bias {
+            out.push(t(format!("{p}.self_attn.{name}.bias"), vec![rows], uniform));
+        }
+    }
+    if a.qk_norm {
+        out.push(t(format!("{p}.self_attn.q_norm.weight"), vec![q], Ones));
+        out.push(t(format!("{p}.self_attn.k_norm.weight"), vec![kv], Ones));
+    }
+    let mlp = |m: &str, inter: usize| {
+        [
+            t(format!("{m}.gate_proj.weight"), vec![inter, h], uniform),
+            t(format!("{m}.up_proj.weight"), vec![inter, h], uniform),
+            t(format!("{m}.down_proj.weight"), vec![h, inter], residual),
+        ]
+    };
+    match &spec.layers[i] {
+        FfnSpec::Dense { intermediate_size } => {
+            out.extend(mlp(&format!("{p}.mlp"), *intermediate_size))
+        }
+        FfnSpec::Moe(m) => {
+            out.push(t(
+                format!("{p}.mlp.gate.weight"),
+                vec![m.num_experts, h],
+                uniform,
             ));
-            if bias {
-                out.push((format!("{p}.self_attn.{name}.bias"), vec![rows], uniform));
-            }
-        }
-        if a.qk_norm {
-            out.push((format!("{p}.self_attn.q_norm.weight"), vec![q], Ones));
-            out.push((format!("{p}.self_attn.k_norm.weight"), vec![kv], Ones));
-        }
-        match layer {
-            FfnSpec::Dense { intermediate_size } => {
-                mlp(&mut out, &format!("{p}.mlp"), *intermediate_size)
-            }
-            FfnSpec::Moe(m) => {
-                out.push((
-                    format!("{p}.mlp.gate.weight"),
-                    vec![m.num_experts, h],
+            if let Some(si) = m.shared_intermediate_size {
+                out.extend(mlp(&format!("{p}.mlp.shared_expert"), si));
+                out.push(t(
+                    format!("{p}.mlp.shared_expert_gate.weight"),
+                    vec![1, h],
                     uniform,
                 ));
-                if let Some(si) = m.shared_intermediate_size {
-                    mlp(&mut out, &format!("{p}.mlp.shared_expert"), si);
-                    out.push((
-                        format!("{p}.mlp.shared_expert_gate.weight"),
-                        vec![1, h],
-                        uniform,
-                    ));
-                }
             }
         }
     }
@@ -547,16 +608,13 @@ impl SyntheticModel {
         let spec = config.spec()?;
         let tensors = non_expert_tensors(&spec)
             .into_iter()
-            .map(|(name, shape, init)| {
-                let n = shape.iter().product();
-                let values = match init {
-                    Init::Ones => vec![1f32; n],
-                    Init::Uniform(std) => uniform(name_seed(seed, &name), n, std),
-                };
+            .map(|t| {
+                let values = t.values(seed);
                 // Stored in BF16, as checkpoints are: the default path computes from these
                 // bytes, and an F32 VarBuilder widens them exactly.
-                let t = Tensor::from_vec(values, shape, &Device::Cpu)?.to_dtype(DType::BF16)?;
-                Ok((name, t))
+                let tensor =
+                    Tensor::from_vec(values, t.shape, &Device::Cpu)?.to_dtype(DType::BF16)?;
+                Ok((t.name, tensor))
             })
             .collect::<candle::Result<HashMap<_, _>>>()?;
         let moe = spec.uniform_moe()?;
@@ -569,7 +627,7 @@ impl SyntheticModel {
             .moe_layers()
             .into_iter()
             .map(|i| {
-                let s = name_seed(seed, &format!("model.layers.{i}.mlp.experts"));
+                let s = experts_seed(seed, i);
                 Ok((i, random_layer_pack(s, layout, moe.num_experts)?))
             })
             .collect::<Result<Vec<_>, QmoeError>>()?;

@@ -1,0 +1,167 @@
+//! Packing a checkpoint's routed experts into INT4, layer by layer from the memory-mapped
+//! safetensors: into a pack held in memory ([`quantize_checkpoint`]) or straight into a `.qmoe`
+//! file ([`quantize_checkpoint_to_file`]), which holds one layer at a time whatever the model's
+//! size.
+//!
+//! Each layer's experts are read as stored (BF16, F16 or F32), converted to F32 one expert per
+//! thread and quantized in parallel into the layer's slabs; the pages of the layer's expert
+//! tensors are then handed back to the system ([`CheckpointTensors::release`]), so the resident
+//! memory stays at about one layer of the checkpoint plus one layer of slabs.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::checkpoint::{fingerprint, CheckpointTensors};
+use super::config::{ModelConfig, MoeSpec};
+use super::AnyConfig;
+use crate::pack::{
+    ExpertLayout, ExpertWeights, GroupSize, LayerPack, PackFile, PackMeta, PackWriter, ScaleSearch,
+};
+
+/// How [`quantize_checkpoint`] packs the experts, and the source it records.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuantizeOptions {
+    /// Columns per FP16 scale.
+    pub group_size: GroupSize,
+    /// How scales are chosen.
+    pub search: ScaleSearch,
+    /// Source model id recorded in the pack (empty: the folder's path).
+    pub source_model: String,
+    /// Source revision recorded in the pack (hub commit, or `local`).
+    pub source_revision: String,
+}
+
+impl Default for QuantizeOptions {
+    fn default() -> Self {
+        Self {
+            group_size: GroupSize::default(),
+            search: ScaleSearch::default(),
+            source_model: String::new(),
+            source_revision: "local".into(),
+        }
+    }
+}
+
+/// The names of expert `e`'s tensors in MoE layer `layer`: gate, up, down.
+fn expert_tensor_names(layer: usize, e: usize) -> [String; 3] {
+    ["gate_proj", "up_proj", "down_proj"]
+        .map(|p| format!("model.layers.{layer}.mlp.experts.{e}.{p}.weight"))
+}
+
+/// A checkpoint opened for quantization: its tensors, the pack's header, the MoE layers.
+struct Quantizer {
+    tensors: CheckpointTensors,
+    meta: PackMeta,
+    moe: MoeSpec,
+    layers: Vec<usize>,
+}
+
+impl Quantizer {
+    fn open(dir: &Path, opts: &QuantizeOptions) -> crate::Result<Self> {
+        let spec = AnyConfig::from_file(dir.join("config.json"))?.spec()?;
+        let moe = spec.uniform_moe()?.clone();
+        let layout = ExpertLayout {
+            hidden: spec.hidden_size,
+            intermediate: moe.intermediate_size,
+            group_size: opts.group_size,
+        };
+        let source_model = if opts.source_model.is_empty() {
+            dir.display().to_string()
+        } else {
+            opts.source_model.clone()
+        };
+        let meta = PackMeta {
+            layout,
+            num_experts: moe.num_experts,
+            scale_search: opts.search,
+            source_model,
+            source_revision: opts.source_revision.clone(),
+            fingerprint: fingerprint(dir)?,
+        };
+        Ok(Self {
+            // SAFETY: see `mmap_checkpoint`; the maps live only during quantization.
+            tensors: unsafe { CheckpointTensors::open(dir)? },
+            meta,
+            moe,
+            layers: spec.moe_layers(),
+        })
+    }
+
+    /// Experts in all MoE layers.
+    fn total_experts(&self) -> usize {
+        self.layers.len() * self.moe.num_experts
+    }
+
+    /// Quantizes MoE layer `layer`, calling `tick` after each expert, and releases the pages of
+    /// its expert tensors.
+    fn layer(&self, layer: usize, tick: &(dyn Fn() + Sync)) -> crate::Result<LayerPack> {
+        let l = self.meta.layout;
+        let (h, i) = (l.hidden, l.intermediate);
+        let names: Vec<[String; 3]> = (0..self.moe.num_experts)
+            .map(|e| expert_tensor_names(layer, e))
+            .collect();
+        let all = || names.iter().flatten().map(String::as_str);
+        self.tensors.prefetch(all());
+        let read = |e: usize, w: &mut ExpertWeights| {
+            let [gate, up, down] = &names[e];
+            self.tensors.read_f32(gate, &[i, h], &mut w.gate)?;
+            self.tensors.read_f32(up, &[i, h], &mut w.up)?;
+            self.tensors.read_f32(down, &[h, i], &mut w.down)
+        };
+        let name = format!("model.layers.{layer}.mlp");
+        let num = self.moe.num_experts;
+        let pack = LayerPack::quantize_with(&name, num, l, self.meta.scale_search, read, tick);
+        self.tensors.release(all());
+        pack
+    }
+}
+
+/// A progress tick for `on_progress(done, total)` over every (layer, expert).
+fn ticker<'a>(
+    total: usize,
+    done: &'a AtomicUsize,
+    on_progress: &'a (dyn Fn(usize, usize) + Sync),
+) -> impl Fn() + Sync + 'a {
+    move || on_progress(done.fetch_add(1, Ordering::Relaxed) + 1, total)
+}
+
+/// Quantizes every MoE layer's routed experts of the checkpoint in `dir` to INT4 and returns the
+/// pack in memory (write it with [`PackFile::save`], or use [`quantize_checkpoint_to_file`],
+/// which never holds more than one layer). `on_progress(done, total)` is called after each
+/// (layer, expert).
+pub fn quantize_checkpoint(
+    dir: impl AsRef<Path>,
+    opts: &QuantizeOptions,
+    on_progress: &(dyn Fn(usize, usize) + Sync),
+) -> crate::Result<PackFile> {
+    let q = Quantizer::open(dir.as_ref(), opts)?;
+    let done = AtomicUsize::new(0);
+    let tick = ticker(q.total_experts(), &done, on_progress);
+    let packs = q
+        .layers
+        .iter()
+        .map(|&i| Ok((i, q.layer(i, &tick)?)))
+        .collect::<crate::Result<Vec<_>>>()?;
+    PackFile::from_layers(q.meta, packs)
+}
+
+/// Quantizes the checkpoint in `dir` like [`quantize_checkpoint`] but writes each layer to the
+/// `.qmoe` file at `path` as soon as it is packed (see [`PackWriter`]), so only one layer of
+/// slabs is ever held in memory; returns the header written. The file appears under its name
+/// only once complete.
+pub fn quantize_checkpoint_to_file(
+    dir: impl AsRef<Path>,
+    path: &Path,
+    opts: &QuantizeOptions,
+    on_progress: &(dyn Fn(usize, usize) + Sync),
+) -> crate::Result<PackMeta> {
+    let q = Quantizer::open(dir.as_ref(), opts)?;
+    let done = AtomicUsize::new(0);
+    let tick = ticker(q.total_experts(), &done, on_progress);
+    let mut out = PackWriter::create(path, &q.meta, q.layers.iter().copied())?;
+    for &i in &q.layers {
+        out.write_layer(i, &q.layer(i, &tick)?)?;
+    }
+    out.finish()?;
+    Ok(q.meta)
+}
