@@ -15,10 +15,11 @@
 //!     --out olmoe-synthetic-g128.qmoe
 //! ```
 
-use std::path::PathBuf;
+use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_qmoe::models::{AnyConfig, ModelConfig, QuantizeOptions};
 use candle_qmoe::pack::{GroupSize, PackFile, ScaleSearch};
 use candle_qmoe::plan::format_bytes;
@@ -27,8 +28,9 @@ use candle_qmoe_suite::checkpoint::{
     quantize_to_file_with_progress, resolve_checkpoint, write_synthetic_checkpoint,
 };
 use candle_qmoe_suite::model::parse_arg;
-use candle_qmoe_suite::system::peak_rss_bytes;
+use candle_qmoe_suite::system::{self, peak_rss_bytes};
 use clap::{Parser, ValueEnum};
+use serde_json::json;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum Search {
@@ -75,6 +77,10 @@ struct Args {
     /// Overwrite an existing output file.
     #[arg(long)]
     force: bool,
+    /// Append a JSON line with the run's evidence (device, load, commit, command, times, CPU
+    /// time, peak RSS, sizes) to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
 }
 
 /// `peak RSS X` for the end-of-run lines (empty where /proc is missing).
@@ -88,6 +94,16 @@ fn main() -> Result<()> {
     if let Some(out) = args.out.as_ref().filter(|o| o.exists() && !args.force) {
         bail!("`{}` exists; pass --force to overwrite it", out.display());
     }
+    let load_average = system::load_average();
+    let mut evidence = json!({
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "commit": system::git_commit(),
+        "date": candle_qmoe_suite::perf::now_rfc3339()?,
+        "device": system::device_json(&candle::Device::Cpu),
+        "load_average_at_start": load_average,
+        "group_size": group_size.get(),
+        "scale_search": format!("{:?}", args.scale_search).to_lowercase(),
+    });
     let mut model_dir = args.model_dir.clone();
     if let (Some(kind), Some(dir)) = (args.synthetic, &args.save_checkpoint) {
         if std::fs::read_dir(dir).is_ok_and(|mut d| d.next().is_some()) {
@@ -109,10 +125,20 @@ fn main() -> Result<()> {
             start.elapsed().as_secs_f64(),
             peak_rss()
         );
+        evidence["checkpoint_write"] = json!({
+            "synthetic": kind.name(),
+            "seed": args.synthetic_seed,
+            "dir": dir,
+            "tensors": written.tensors,
+            "tensor_bytes": written.tensor_bytes,
+            "shards": written.shards.len(),
+            "time_s": start.elapsed().as_secs_f64(),
+            "peak_rss_bytes": system::peak_rss_bytes(),
+        });
         model_dir = Some(dir.clone());
     }
     let Some(out) = &args.out else {
-        return Ok(());
+        return write_evidence(args.json.as_deref(), evidence);
     };
     let ckpt = resolve_checkpoint(
         model_dir.as_deref(),
@@ -158,6 +184,19 @@ fn main() -> Result<()> {
     let experts = pack.layer_indices().count() * pack.meta().num_experts;
     let bf16_bytes = (experts * 3 * l.hidden * l.intermediate * 2) as u64;
     let file_bytes = std::fs::metadata(out)?.len();
+    let (user, sys) = system::cpu_time_s().unzip();
+    evidence["quantize"] = json!({
+        "checkpoint": ckpt.model_id,
+        "moe_layers": pack.layer_indices().count(),
+        "experts_per_layer": pack.meta().num_experts,
+        "out": out,
+        "file_bytes": file_bytes,
+        "quantize_s": quantized.as_secs_f64(),
+        "verify_s": verified.as_secs_f64(),
+        "process_cpu_user_s": user,
+        "process_cpu_system_s": sys,
+        "peak_rss_bytes": system::peak_rss_bytes(),
+    });
     println!(
         "wrote {}: {} ({} of packed experts) for {} of BF16 experts ({:.2}×), \
          quantized and written in {:.1} s, verified in {:.2} s, total {:.1} s{}",
@@ -171,5 +210,18 @@ fn main() -> Result<()> {
         start.elapsed().as_secs_f64(),
         peak_rss()
     );
-    Ok(())
+    write_evidence(args.json.as_deref(), evidence)
+}
+
+/// Appends `evidence` as one JSON line to `path`, if given.
+fn write_evidence(path: Option<&Path>, evidence: serde_json::Value) -> Result<()> {
+    let Some(path) = path else {
+        return Ok(());
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("cannot open `{}`", path.display()))?;
+    writeln!(file, "{evidence}").with_context(|| format!("cannot write `{}`", path.display()))
 }

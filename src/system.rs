@@ -1,5 +1,5 @@
 //! Facts about the machine and the run that evidence files record: peak and available memory,
-//! the CPU and GPU, the driver, the memory bandwidth, the git commit.
+//! CPU time and load, the CPU and GPU, the driver, the memory bandwidth, the git commit.
 
 use std::time::Instant;
 
@@ -14,6 +14,24 @@ pub fn peak_rss_bytes() -> Option<u64> {
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+/// User and system CPU time of this process so far, in seconds (`/proc/self/stat`, in the
+/// kernel's fixed 100 ticks per second); `None` where /proc is missing.
+pub fn cpu_time_s() -> Option<(f64, f64)> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the parenthesised command name: state is field 3, utime 14, stime 15.
+    let mut fields = stat.rsplit_once(')')?.1.split_whitespace().skip(11);
+    let mut ticks = || fields.next()?.parse::<f64>().ok();
+    Some((ticks()? / 100.0, ticks()? / 100.0))
+}
+
+/// The 1-, 5- and 15-minute load averages (`/proc/loadavg`): how busy the machine was, next to
+/// a timing measured on shared cores.
+pub fn load_average() -> Option<[f64; 3]> {
+    let text = std::fs::read_to_string("/proc/loadavg").ok()?;
+    let mut v = text.split_whitespace().map(|x| x.parse::<f64>().ok());
+    Some([v.next()??, v.next()??, v.next()??])
 }
 
 /// Resets the peak resident set size (`VmHWM`) to the current RSS, so that

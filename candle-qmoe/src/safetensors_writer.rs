@@ -143,37 +143,6 @@ impl SafetensorsWriter {
         Ok(())
     }
 
-    /// Appends a whole tensor given as `f32` values, converted to the tensor's dtype (F32, BF16
-    /// or F16, little-endian).
-    pub fn write_f32(&mut self, name: &str, values: &[f32]) -> crate::Result<()> {
-        const CHUNK: usize = 1 << 16;
-        let dtype = self.tensors.get(self.next).map(|t| t.dtype);
-        let mut bytes = Vec::new();
-        for chunk in values.chunks(CHUNK) {
-            bytes.clear();
-            match dtype {
-                Some(Dtype::F32) => bytes.extend(chunk.iter().flat_map(|v| v.to_le_bytes())),
-                Some(Dtype::BF16) => bytes.extend(
-                    chunk
-                        .iter()
-                        .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()),
-                ),
-                Some(Dtype::F16) => bytes.extend(
-                    chunk
-                        .iter()
-                        .flat_map(|v| half::f16::from_f32(*v).to_le_bytes()),
-                ),
-                other => {
-                    return Err(
-                        self.misuse(format!("tensor `{name}` is {other:?}, not a float tensor"))
-                    )
-                }
-            }
-            self.write(name, &bytes)?;
-        }
-        Ok(())
-    }
-
     /// Checks that every tensor was written, flushes the file and renames it into place.
     pub fn finish(mut self) -> crate::Result<PathBuf> {
         if let Some(t) = self.tensors.get(self.next) {
@@ -226,7 +195,12 @@ mod tests {
         let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
         let mut w = SafetensorsWriter::create(&path, Some(meta), tensors.clone()).unwrap();
         let values = [1.0f32, -2.5, 0.375, 3.0, 4.0, -0.0];
-        w.write_f32("b", &values).unwrap();
+        let bf16: Vec<u8> = values
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect();
+        w.write("b", &bf16[..4]).unwrap();
+        w.write("b", &bf16[4..]).unwrap();
         assert!(w.write("c", &[0; 8]).is_err(), "out of order");
         w.write("a", &[1, 2]).unwrap();
         w.write("a", &[3, 4, 5]).unwrap();
@@ -234,7 +208,8 @@ mod tests {
             w.write("c", &[0; 12]),
             Err(QmoeError::InvalidArgument { .. })
         ));
-        w.write_f32("c", &[7.0, 8.0]).unwrap();
+        let c: Vec<u8> = [7f32, 8.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        w.write("c", &c).unwrap();
         assert!(!path.exists(), "only the partial file exists before finish");
         assert_eq!(w.finish().unwrap(), path);
 
@@ -257,7 +232,7 @@ mod tests {
         // An unfinished file leaves nothing behind.
         let short = dir.join("short.safetensors");
         let mut w = SafetensorsWriter::create(&short, None, tensors).unwrap();
-        w.write_f32("b", &values).unwrap();
+        w.write("b", &bf16).unwrap();
         assert!(matches!(
             w.finish(),
             Err(QmoeError::InvalidArgument { reason, .. }) if reason.contains("`a`")

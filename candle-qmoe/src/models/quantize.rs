@@ -4,9 +4,9 @@
 //! size.
 //!
 //! Each layer's experts are read as stored (BF16, F16 or F32), converted to F32 one expert per
-//! thread and quantized in parallel into the layer's slabs; the pages of the layer's expert
-//! tensors are then handed back to the system ([`CheckpointTensors::release`]), so the resident
-//! memory stays at about one layer of the checkpoint plus one layer of slabs.
+//! thread and quantized in parallel into the layer's slabs; the pages of an expert's tensors are
+//! handed back to the system as soon as it is read ([`CheckpointTensors::release`]), so the
+//! resident memory stays at about one layer of slabs plus the experts in flight.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -92,27 +92,27 @@ impl Quantizer {
         self.layers.len() * self.moe.num_experts
     }
 
-    /// Quantizes MoE layer `layer`, calling `tick` after each expert, and releases the pages of
-    /// its expert tensors.
+    /// Quantizes MoE layer `layer`, calling `tick` after each expert; the pages of each expert's
+    /// tensors are released as soon as it is read.
     fn layer(&self, layer: usize, tick: &(dyn Fn() + Sync)) -> crate::Result<LayerPack> {
         let l = self.meta.layout;
         let (h, i) = (l.hidden, l.intermediate);
         let names: Vec<[String; 3]> = (0..self.moe.num_experts)
             .map(|e| expert_tensor_names(layer, e))
             .collect();
-        let all = || names.iter().flatten().map(String::as_str);
-        self.tensors.prefetch(all());
+        self.tensors
+            .prefetch(names.iter().flatten().map(String::as_str));
         let read = |e: usize, w: &mut ExpertWeights| {
             let [gate, up, down] = &names[e];
             self.tensors.read_f32(gate, &[i, h], &mut w.gate)?;
             self.tensors.read_f32(up, &[i, h], &mut w.up)?;
-            self.tensors.read_f32(down, &[h, i], &mut w.down)
+            self.tensors.read_f32(down, &[h, i], &mut w.down)?;
+            self.tensors.release(names[e].iter().map(String::as_str));
+            Ok(())
         };
         let name = format!("model.layers.{layer}.mlp");
         let num = self.moe.num_experts;
-        let pack = LayerPack::quantize_with(&name, num, l, self.meta.scale_search, read, tick);
-        self.tensors.release(all());
-        pack
+        LayerPack::quantize_with(&name, num, l, self.meta.scale_search, read, tick)
     }
 }
 

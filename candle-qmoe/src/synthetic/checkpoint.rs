@@ -10,8 +10,9 @@
 //! group size (128) dequantized. Quantizing the folder at group size 128 gives back that pack
 //! (up to the rare group, p ≈ 10⁻⁸, that holds no ±7 level).
 //!
-//! Tensors are generated a batch at a time in parallel and streamed into the shards
-//! ([`SafetensorsWriter`]), so writing a model of any size holds a few hundred MB.
+//! Tensors are generated a batch (about 128 MB) at a time in parallel while a writer thread
+//! streams the previous batch into the shards ([`SafetensorsWriter`]), so writing a model of any
+//! size holds a few hundred MB.
 //!
 //! [`SyntheticModel`]: super::SyntheticModel
 
@@ -37,7 +38,7 @@ pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
 const EMBEDDINGS: &str = "model.embed_tokens.weight";
 
 /// Bytes of tensors generated at once (in parallel) before they are written.
-const BATCH_BYTES: u64 = 256 << 20;
+const BATCH_BYTES: u64 = 128 << 20;
 
 /// What [`SyntheticCheckpoint::write`] wrote.
 #[derive(Clone, Debug)]
@@ -127,6 +128,22 @@ impl Plan {
             .sum()
     }
 
+    /// The BF16 bytes of `piece`'s tensors for `seed`, in [`Self::tensors`]' order (the values
+    /// are BF16 values already, so the conversion is exact).
+    fn bf16_bytes(&self, piece: &Piece, seed: u64, pairs: &[u8]) -> Vec<Vec<u8>> {
+        self.values(piece, seed, pairs)
+            .into_iter()
+            .map(|v| {
+                let mut bytes = vec![0u8; 2 * v.len()];
+                bytes
+                    .par_chunks_mut(2)
+                    .zip(&v)
+                    .for_each(|(b, x)| b.copy_from_slice(&half::bf16::from_f32(*x).to_le_bytes()));
+                bytes
+            })
+            .collect()
+    }
+
     /// The values of `piece`'s tensors for `seed`, in [`Self::tensors`]' order.
     fn values(&self, piece: &Piece, seed: u64, pairs: &[u8]) -> Vec<Vec<f32>> {
         match piece {
@@ -198,34 +215,58 @@ impl SyntheticCheckpoint {
                 .collect(),
         };
         let total: u64 = plan.pieces.iter().map(|p| plan.bytes(p)).sum();
-        let pairs = level_pair_table();
-        let mut written = 0u64;
         let mut weight_map = serde_json::Map::new();
-        let mut paths = Vec::new();
-        let mut count = 0;
         for (pieces, name) in shards.iter().zip(&names) {
-            let specs: Vec<TensorSpec> = pieces.iter().flat_map(|p| plan.tensors(p)).collect();
-            for t in &specs {
-                weight_map.insert(t.name.clone(), name.as_str().into());
+            for t in pieces.iter().flat_map(|p| plan.tensors(p)) {
+                weight_map.insert(t.name, name.as_str().into());
             }
-            count += specs.len();
-            let metadata = [("format".to_string(), "pt".to_string())].into();
-            let mut out = SafetensorsWriter::create(&dir.join(name), Some(metadata), specs)?;
-            for batch in batches(pieces, |p| plan.bytes(p)) {
-                let values: Vec<Vec<Vec<f32>>> = batch
-                    .par_iter()
-                    .map(|p| plan.values(p, self.seed, &pairs))
-                    .collect();
-                for (piece, values) in batch.iter().zip(values) {
-                    for (t, v) in plan.tensors(piece).iter().zip(values) {
-                        out.write_f32(&t.name, &v)?;
+        }
+        let count = weight_map.len();
+        // Batches are generated in parallel on this thread while a writer thread streams the
+        // previous one into the shards (one batch in flight between them).
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<Vec<Vec<u8>>>>(1);
+        let pairs = level_pair_table();
+        let batch_bytes = |p: &Piece| plan.bytes(p);
+        let (shards, names, plan) = (&shards, &names, &plan);
+        let paths = std::thread::scope(|scope| {
+            let writer = scope.spawn(move || -> crate::Result<Vec<PathBuf>> {
+                let mut written = 0;
+                let mut paths = Vec::new();
+                for (pieces, name) in shards.iter().zip(names) {
+                    let specs = pieces.iter().flat_map(|p| plan.tensors(p)).collect();
+                    let metadata = [("format".to_string(), "pt".to_string())].into();
+                    let mut out =
+                        SafetensorsWriter::create(&dir.join(name), Some(metadata), specs)?;
+                    for batch in batches(pieces, batch_bytes) {
+                        let bytes = rx
+                            .recv()
+                            .expect("the generator sends every batch while this thread runs");
+                        for (piece, tensors) in batch.iter().zip(bytes) {
+                            for (t, b) in plan.tensors(piece).iter().zip(tensors) {
+                                out.write(&t.name, &b)?;
+                            }
+                            written += plan.bytes(piece);
+                            on_progress(written, total);
+                        }
                     }
-                    written += plan.bytes(piece);
-                    on_progress(written, total);
+                    paths.push(out.finish()?);
+                }
+                Ok(paths)
+            });
+            for batch in shards
+                .iter()
+                .flat_map(|pieces| batches(pieces, batch_bytes))
+            {
+                let bytes = batch
+                    .par_iter()
+                    .map(|p| plan.bf16_bytes(p, self.seed, &pairs))
+                    .collect();
+                if tx.send(bytes).is_err() {
+                    break; // The writer failed: its error is returned below.
                 }
             }
-            paths.push(out.finish()?);
-        }
+            writer.join().expect("the writer thread does not panic")
+        })?;
         let json = |path: PathBuf, value: serde_json::Value| {
             let text = serde_json::to_string_pretty(&value).expect("JSON values serialize");
             std::fs::write(&path, text + "\n").map_err(write_error(&path))
