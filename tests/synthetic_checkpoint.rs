@@ -103,6 +103,12 @@ fn a_synthetic_checkpoint_folder_loads_back_to_the_same_model() {
         json(&dir.join("tokenizer_config.json"))["tokenizer_class"],
         "GPTNeoXTokenizer"
     );
+    // A failed write (here: an extra file in a folder that does not exist) leaves nothing.
+    let failed = tmp.join("failed");
+    let bad = [("no-such-folder/x.json", &b"{}"[..])];
+    let e = writer.write(&failed, &bad, &|_, _| {}).unwrap_err();
+    assert!(matches!(&e, QmoeError::Write { .. }), "{e}");
+    assert_eq!(std::fs::read_dir(&failed).unwrap().count(), 0);
     // A folder that is not empty is never written into.
     let again = writer.write(&dir, &files, &|_, _| {}).unwrap_err();
     assert!(

@@ -6,7 +6,8 @@
 //! Each layer's experts are read as stored (BF16, F16 or F32), converted to F32 one expert per
 //! thread and quantized in parallel into the layer's slabs; the pages of an expert's tensors are
 //! handed back to the system as soon as it is read ([`CheckpointTensors::release`]), so the
-//! resident memory stays at about one layer of slabs plus the experts in flight.
+//! resident memory stays at about one layer of slabs plus the experts in flight
+//! (docs/architecture.md §2).
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -12,7 +12,7 @@
 //!
 //! Tensors are generated a batch (about 128 MB) at a time in parallel while a writer thread
 //! streams the previous batch into the shards ([`SafetensorsWriter`]), so writing a model of any
-//! size holds a few hundred MB.
+//! size holds a few hundred MB (docs/architecture.md §10).
 //!
 //! [`SyntheticModel`]: super::SyntheticModel
 
@@ -184,7 +184,8 @@ impl SyntheticCheckpoint {
 
     /// Writes the folder `dir` (created if needed; it must not hold files already), with
     /// `extra_files` (name, contents) such as `tokenizer.json` next to the weights.
-    /// `on_progress(written, total)` is called with the tensor bytes written so far.
+    /// `on_progress(written, total)` is called with the tensor bytes written so far. On an
+    /// error (e.g. a full disk) the files written so far are removed.
     pub fn write(
         &self,
         dir: &Path,
@@ -214,9 +215,36 @@ impl SyntheticCheckpoint {
                 .map(|k| format!("model-{k:05}-of-{n:05}.safetensors"))
                 .collect(),
         };
+        let written = self.write_files(dir, &plan, &shards, &names, extra_files, on_progress);
+        if written.is_err() {
+            // The folder was empty: remove what was written, so no partial checkpoint is left
+            // (an unfinished shard never appears under its name).
+            let ours = [INDEX_FILE, "config.json", "generation_config.json"];
+            let ours = names.iter().map(String::as_str).chain(ours);
+            for name in ours.chain(extra_files.iter().map(|(n, _)| *n)) {
+                let _ = std::fs::remove_file(dir.join(name));
+            }
+        }
+        written
+    }
+
+    /// The body of [`Self::write`], into the empty folder `dir`.
+    fn write_files(
+        &self,
+        dir: &Path,
+        plan: &Plan,
+        shards: &[Vec<&Piece>],
+        names: &[String],
+        extra_files: &[(&str, &[u8])],
+        on_progress: &(dyn Fn(u64, u64) + Sync),
+    ) -> crate::Result<WrittenCheckpoint> {
+        let write_error = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| QmoeError::Write { path, source }
+        };
         let total: u64 = plan.pieces.iter().map(|p| plan.bytes(p)).sum();
         let mut weight_map = serde_json::Map::new();
-        for (pieces, name) in shards.iter().zip(&names) {
+        for (pieces, name) in shards.iter().zip(names) {
             for t in pieces.iter().flat_map(|p| plan.tensors(p)) {
                 weight_map.insert(t.name, name.as_str().into());
             }
@@ -227,7 +255,6 @@ impl SyntheticCheckpoint {
         let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<Vec<Vec<u8>>>>(1);
         let pairs = level_pair_table();
         let batch_bytes = |p: &Piece| plan.bytes(p);
-        let (shards, names, plan) = (&shards, &names, &plan);
         let paths = std::thread::scope(|scope| {
             let writer = scope.spawn(move || -> crate::Result<Vec<PathBuf>> {
                 let mut written = 0;
