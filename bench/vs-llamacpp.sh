@@ -168,7 +168,7 @@ if [[ $smoke != 1 ]]; then
     exit 1
   fi
 fi
-run_dir=$llama_dir/runs/$name-$(date -u +%Y%m%dT%H%M%SZ)$([[ $smoke == 1 ]] && echo -smoke)
+run_dir=$llama_dir/runs/$name-$(date -u +%Y%m%dT%H%M%SZ)$([[ $smoke == 1 ]] && echo -smoke || true)
 mkdir -p "$run_dir"
 log "timed runs in $run_dir"
 export RAYON_NUM_THREADS=$threads

@@ -294,8 +294,9 @@ def main() -> None:
             "llama.cpp repacks Q4_0 and Q4_K weights for the CPU's SIMD at load (settings.repack): "
             "its peak RSS holds the file's mmapped pages plus the repacked copy, and decoding "
             "reads the repacked copy (the same number of bytes)",
-            "ours reads its non-expert weights at the compute dtype (f32 on the CPU by default), "
-            "llama.cpp at the GGUF's types (quantized by llama-quantize)",
+            "ours reads its non-expert weights in --dense-weights (bf16 by default, the "
+            "checkpoint's; int8 and f32 where the format says so) and its routed experts as INT4 "
+            "g128 slabs; llama.cpp reads the GGUF's types (quantized by llama-quantize)",
         ],
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
