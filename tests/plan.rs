@@ -196,6 +196,30 @@ fn qwen2moe_tiny_components_by_hand_on_cpu() {
     // norms 512, router 2048, shared expert 3·256·384 = 294912 + its gate 256 → 560640, ×2;
     // RoPE 512·64 = 32768. 1416448 elements × 2 bytes (BF16, the default).
     assert_eq!(bytes(&plan, Component::NonExpertWeights), x(1_416_448 * 2));
+    // INT8 dense weights: the projections (q,k,v,o 262144, shared expert 294912, ×2 layers, and
+    // lm_head 131072: 1245184) at 1 byte plus an FP16 scale per 32 (38912 scales); the rest
+    // (171264: embeddings, biases, norms, routers, gates, RoPE) in BF16.
+    let int8 = Plan::new(
+        &spec("qwen2moe-tiny"),
+        &PlanOptions {
+            dense_int8: true,
+            ..opts.clone()
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        bytes(&int8, Component::NonExpertWeights),
+        x(1_245_184 + 38_912 * 2 + 171_264 * 2)
+    );
+    // There is no INT8 kernel on a GPU: refused by the planner too.
+    assert!(Plan::new(
+        &spec("qwen2moe-tiny"),
+        &PlanOptions {
+            dense_int8: true,
+            ..PlanOptions::new(Target::Cuda)
+        }
+    )
+    .is_err());
     // On the CPU the pack is host memory too; fully resident experts are read from it in place.
     assert_eq!(bytes(&plan, Component::PackSource), x(16 * slab));
     assert_eq!(bytes(&plan, Component::ExpertCache), x(0));

@@ -229,6 +229,7 @@ fn dot_scalar<const TB: usize>(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
+    use crate::kernels::x86_simd::hsum256;
     use std::arch::x86_64::*;
 
     /// How far ahead of the current chunk weights are prefetched.
@@ -240,15 +241,6 @@ mod x86 {
     fn scale_f16c(s: &[u8], g: usize) -> f32 {
         let bits = u16::from_le_bytes([s[2 * g], s[2 * g + 1]]) as i32;
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)))
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    fn hsum256(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
     }
 
     /// Low and high nibbles of chunk `c` widened to 16 × i16 each.

@@ -15,6 +15,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::cpu::CpuIsa;
+use super::transpose_to_tokens;
 
 /// Output rows per rayon task: a block of `W` is 64 rows × 2K bytes (256 KiB at K = 2048).
 const ROW_BLOCK: usize = 64;
@@ -40,16 +41,7 @@ pub fn bf16_matmul(isa: CpuIsa, x: &[f32], m: usize, k: usize, w: &[bf16], n: us
             let rows = out.len() / m;
             rows_block(isa, x, m, k, &bits[r0 * k..(r0 + rows) * k], out);
         });
-    if m == 1 {
-        return yt;
-    }
-    let mut y = vec![0f32; m * n];
-    for (r, col) in yt.chunks_exact(m).enumerate() {
-        for (t, &v) in col.iter().enumerate() {
-            y[t * n + r] = v;
-        }
-    }
-    y
+    transpose_to_tokens(yt, m, n)
 }
 
 /// `out [rows, m]` for a block of weight rows `w [rows, k]`.
@@ -92,15 +84,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::widen;
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    fn hsum256(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
-    }
+    use crate::kernels::x86_simd::hsum256;
 
     /// Eight BF16 weights at `p` widened to F32.
     ///
@@ -366,16 +350,7 @@ pub fn int8_matmul(isa: CpuIsa, x: &[f32], m: usize, w: &Int8Matrix) -> Vec<f32>
                 }
             }
         });
-    if m == 1 {
-        return yt;
-    }
-    let mut y = vec![0f32; m * n];
-    for (r, col) in yt.chunks_exact(m).enumerate() {
-        for (t, &v) in col.iter().enumerate() {
-            y[t * n + r] = v;
-        }
-    }
-    y
+    transpose_to_tokens(yt, m, n)
 }
 
 /// Activation rows sharing one pass over an INT8 weight row.
@@ -408,6 +383,8 @@ fn int8_dots(isa: CpuIsa, wq: &[i8], ws: &[half::f16], rows: &[(&[i8], &[f32])],
 #[cfg(target_arch = "x86_64")]
 mod x86_int8 {
     use std::arch::x86_64::*;
+
+    use crate::kernels::x86_simd::hsum256;
 
     use super::INT8_GROUP;
 
@@ -449,10 +426,7 @@ mod x86_int8 {
             acc[0] = _mm256_add_ps(acc[0], acc[1]);
         }
         for (y, v) in out.iter_mut().zip(&acc[..rows.len()]) {
-            let s = _mm_add_ps(_mm256_castps256_ps128(*v), _mm256_extractf128_ps(*v, 1));
-            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-            let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-            *y = _mm_cvtss_f32(s);
+            *y = hsum256(*v);
         }
     }
 }

@@ -14,6 +14,37 @@ pub mod dense;
 
 use crate::QmoeError;
 
+/// Small SIMD helpers shared by the x86-64 kernels.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86_simd {
+    use std::arch::x86_64::*;
+
+    /// The sum of the eight lanes of `v`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) fn hsum256(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+}
+
+/// `[n, m]` row-major (one row per output feature) to `[m, n]` (one row per token); the two
+/// coincide when `m = 1`.
+pub(crate) fn transpose_to_tokens(yt: Vec<f32>, m: usize, n: usize) -> Vec<f32> {
+    if m == 1 {
+        return yt;
+    }
+    let mut y = vec![0f32; m * n];
+    for (r, col) in yt.chunks_exact(m).enumerate() {
+        for (t, &v) in col.iter().enumerate() {
+            y[t * n + r] = v;
+        }
+    }
+    y
+}
+
 /// The routed rows of one call, grouped by expert in ascending expert order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RoutePlan {
