@@ -202,7 +202,7 @@ fn report(
         );
     }
     if let Some(path) = &args.stats_json {
-        let stats = json!({
+        let mut stats = json!({
             "cpu": candle_qmoe_suite::system::cpu_model(),
             "commit": candle_qmoe_suite::system::git_commit(),
             "command": std::env::args().collect::<Vec<_>>().join(" "),
@@ -227,11 +227,13 @@ fn report(
             "repeat_penalty": args.repeat_penalty,
             "token_ids": g.tokens,
             "residency": candle_qmoe_suite::model::residency_json(loaded.residency.as_ref()),
-            "bytes_per_token": traffic["bytes_per_token"],
-            "gb_per_s": traffic["gb_per_s"],
-            "dense_weights": traffic["dense_weights"],
-            "activations": traffic["activations"],
         });
+        // bytes_per_token, gb_per_s, dense_weights, activations: as bench records them.
+        if let (serde_json::Value::Object(stats), serde_json::Value::Object(traffic)) =
+            (&mut stats, traffic)
+        {
+            stats.extend(traffic);
+        }
         std::fs::write(path, serde_json::to_string_pretty(&stats)? + "\n")
             .with_context(|| format!("cannot write `{}`", path.display()))?;
     }

@@ -235,15 +235,24 @@ fn qwen2moe_tiny_components_by_hand_on_cpu() {
     );
     // 2 × 128 tokens in F32 activations: residual 2..4 × 256·256·4; attention q,k,v
     // 256·12·64·4 = 786432 (×2 at most), the KV cache of a layer while it grows
-    // 2·2·4·64·512·4 = 2097152, mask 128·512·4 = 262144, fused scores: a row per sequence and
-    // head, 2·4·512 = 4096 elements × 8..20 bytes.
+    // 2·2·4·64·512·4 = 2097152, fused scores: a row per sequence and head, 2·4·512 = 4096
+    // elements × 8..20 bytes; no mask (the fused kernel implies it).
     let attention = r(
-        786_432 + 2_097_152 + 262_144 + 4096 * 8,
-        2 * 786_432 + 2_097_152 + 262_144 + 4096 * 20,
+        786_432 + 2_097_152 + 4096 * 8,
+        2 * 786_432 + 2_097_152 + 4096 * 20,
     );
+    // The MoE stage: router 256·8·(4+8) = 24576; routed experts 1024 (token, expert) pairs ×
+    // 192·4 + 262144 = 1048576 at least, 1024·(192+256)·4 + 256·256·4 = 2097152 at most; shared
+    // expert 3..4 × 256·384·4 (+ 262144 at most).
+    let moe = r(
+        24_576 + 1_048_576 + 3 * 393_216,
+        24_576 + 2_097_152 + 4 * 393_216 + 262_144,
+    );
+    // Each end is the largest stage's: attention at least, the MoE block at most.
+    assert!(attention.min > moe.min && moe.max > attention.max);
     assert_eq!(
         bytes(&plan, Component::Workspace),
-        r(524_288 + attention.min, 1_048_576 + attention.max)
+        r(524_288 + attention.min, 1_048_576 + moe.max)
     );
     assert_eq!(
         bytes(&plan, Component::RuntimeOverhead),

@@ -8,7 +8,7 @@ use candle::{CpuStorage, CustomOp3, DType, Device, Layout, Module, Shape, Tensor
 
 #[cfg(feature = "cuda")]
 use crate::kernels::cuda;
-use crate::kernels::{cpu, RoutePlan};
+use crate::kernels::{contiguous_slice, cpu, RoutePlan};
 use crate::pack::{DenseExpert, ExpertLayout, LayerPack};
 use crate::QmoeError;
 
@@ -361,18 +361,6 @@ pub(crate) fn apply_cpu_op(
     x.apply_op3_no_bwd(&ids, &w, op)?.to_dtype(xs.dtype())
 }
 
-/// The contiguous elements of a CPU storage, or an error naming `what`.
-fn contiguous_slice<'a, T: candle::WithDType>(
-    s: &'a CpuStorage,
-    l: &Layout,
-    what: &str,
-) -> candle::Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
-        None => candle::bail!("int4 routed experts: {what} must be contiguous"),
-    }
-}
-
 /// The CPU inputs of a routed call as slices — `xs [T, H]` F32, `weights [T, k]` F32 — and the
 /// routing `expert_ids [T, k]` (U32) grouped by expert.
 pub(crate) fn routed_inputs<'a>(
@@ -381,9 +369,13 @@ pub(crate) fn routed_inputs<'a>(
     weights: (&'a CpuStorage, &Layout),
     num_experts: usize,
 ) -> candle::Result<(&'a [f32], &'a [f32], RoutePlan)> {
-    let x = contiguous_slice::<f32>(xs.0, xs.1, "xs")?;
-    let ids = contiguous_slice::<u32>(expert_ids.0, expert_ids.1, "expert_ids")?;
-    let w = contiguous_slice::<f32>(weights.0, weights.1, "weights")?;
+    let x = contiguous_slice::<f32>(xs.0, xs.1, "int4 routed experts: xs")?;
+    let ids = contiguous_slice::<u32>(
+        expert_ids.0,
+        expert_ids.1,
+        "int4 routed experts: expert_ids",
+    )?;
+    let w = contiguous_slice::<f32>(weights.0, weights.1, "int4 routed experts: weights")?;
     let (_, k) = expert_ids.1.shape().dims2()?;
     Ok((x, w, RoutePlan::new(ids, k, num_experts)?))
 }

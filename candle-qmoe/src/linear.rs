@@ -12,6 +12,7 @@ use std::sync::Arc;
 use candle::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Module, Shape, Tensor};
 use candle_nn::{Linear, VarBuilder};
 
+use crate::kernels::contiguous_slice;
 use crate::kernels::cpu::CpuIsa;
 use crate::kernels::dense::{bf16_matmul, int8_matmul, Int8Matrix};
 use crate::QmoeError;
@@ -219,12 +220,10 @@ fn kernel_input<'a>(
         }
         .into());
     }
-    let Some((a, b)) = l.contiguous_offsets() else {
-        candle::bail!("{op}: the input must be contiguous");
-    };
+    let x = contiguous_slice(s, l, format_args!("{op}: the input"))?;
     let mut out = dims.to_vec();
     *out.last_mut().expect("checked above") = n;
-    Ok((&s.as_slice::<f32>()?[a..b], Shape::from(out)))
+    Ok((x, Shape::from(out)))
 }
 
 /// The Candle op of [`bf16_matmul`]: `x [..., K]` F32 by `W [N, K]` BF16 → `[..., N]` F32.
@@ -247,10 +246,7 @@ impl CustomOp2 for Bf16MatMul {
     ) -> candle::Result<(CpuStorage, Shape)> {
         let (n, k) = l2.shape().dims2()?;
         let (x, shape) = kernel_input(s1, l1, k, n, self.name())?;
-        let Some((w0, w1)) = l2.contiguous_offsets() else {
-            candle::bail!("qmoe-bf16-matmul: the weight must be contiguous");
-        };
-        let w = &s2.as_slice::<half::bf16>()?[w0..w1];
+        let w = contiguous_slice::<half::bf16>(s2, l2, "qmoe-bf16-matmul: the weight")?;
         let y = bf16_matmul(self.isa, x, x.len() / k.max(1), k, w, n);
         Ok((CpuStorage::F32(y), shape))
     }

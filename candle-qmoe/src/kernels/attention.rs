@@ -161,8 +161,14 @@ pub fn attend(q: &[f32], cache: &KvCache, s: usize, heads: usize, scale: f32) ->
             let mut scores = Vec::with_capacity(cache.len);
             for (t, o) in rows.zip(out.chunks_exact_mut(d)) {
                 let qi = ((b * s + t) * heads + h) * d;
-                let visible = first + t + 1;
-                head_query(&q[qi..qi + d], keys, values, visible, scale, &mut scores, o);
+                let query = HeadQuery {
+                    q: &q[qi..qi + d],
+                    keys,
+                    values,
+                    visible: first + t + 1,
+                    scale,
+                };
+                head_query(&query, &mut scores, o);
             }
             out
         })
@@ -180,22 +186,23 @@ pub fn attend(q: &[f32], cache: &KvCache, s: usize, heads: usize, scale: f32) ->
     out
 }
 
-/// One query against the first `visible` keys and values, with the best code path for the CPU.
-fn head_query(
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
+/// One query of one head against the first `visible` keys and values of its kv head.
+struct HeadQuery<'a> {
+    q: &'a [f32],
+    keys: &'a [f32],
+    values: &'a [f32],
     visible: usize,
     scale: f32,
-    scores: &mut Vec<f32>,
-    out: &mut [f32],
-) {
+}
+
+/// [`HeadQuery`] into `out`, with the best code path for the CPU; `scores` is scratch.
+fn head_query(h: &HeadQuery, scores: &mut Vec<f32>, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: the features were just detected.
-        return unsafe { head_query_avx2(q, keys, values, visible, scale, scores, out) };
+        return unsafe { head_query_avx2(h, scores, out) };
     }
-    head_query_portable(q, keys, values, visible, scale, scores, out)
+    head_query_portable(h, scores, out)
 }
 
 /// [`head_query_portable`] compiled for AVX2 + FMA, so that its loops vectorise 8 lanes wide.
@@ -204,35 +211,20 @@ fn head_query(
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn head_query_avx2(
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    visible: usize,
-    scale: f32,
-    scores: &mut Vec<f32>,
-    out: &mut [f32],
-) {
-    head_query_portable(q, keys, values, visible, scale, scores, out)
+unsafe fn head_query_avx2(h: &HeadQuery, scores: &mut Vec<f32>, out: &mut [f32]) {
+    head_query_portable(h, scores, out)
 }
 
 /// Scores `q · k_j · scale`, softmax (max-subtracted, F32), `out = Σ_j p_j v_j`.
 #[inline(always)]
-fn head_query_portable(
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    visible: usize,
-    scale: f32,
-    scores: &mut Vec<f32>,
-    out: &mut [f32],
-) {
-    let d = q.len();
+fn head_query_portable(h: &HeadQuery, scores: &mut Vec<f32>, out: &mut [f32]) {
+    let d = h.q.len();
     scores.clear();
     scores.extend(
-        keys.chunks_exact(d)
-            .take(visible)
-            .map(|k| dot(q, k) * scale),
+        h.keys
+            .chunks_exact(d)
+            .take(h.visible)
+            .map(|k| dot(h.q, k) * h.scale),
     );
     let max = scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
     let mut sum = 0f32;
@@ -241,7 +233,7 @@ fn head_query_portable(
         sum += *x;
     }
     out.fill(0.0);
-    for (&p, v) in scores.iter().zip(values.chunks_exact(d)) {
+    for (&p, v) in scores.iter().zip(h.values.chunks_exact(d)) {
         for (o, &x) in out.iter_mut().zip(v) {
             *o += p * x;
         }

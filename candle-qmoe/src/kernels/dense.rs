@@ -214,16 +214,22 @@ pub struct Int8Matrix {
     scales: Vec<half::f16>,
 }
 
-/// Quantizes one group to `q` (`round(v / s)` with `s = max|v| / 127`); returns `s`.
-fn quantize_group_i8(v: impl Iterator<Item = f32> + Clone, q: &mut [i8]) -> f32 {
+/// Quantizes one group to `q`: `round(v / s)` in `[-127, 127]` with `s = stored(max|v| / 127)`,
+/// the scale as it will be stored (e.g. rounded to FP16), which the kernel multiplies by;
+/// returns `s` (0 for an all-zero group, whose levels are 0).
+fn quantize_group_i8(
+    v: impl Iterator<Item = f32> + Clone,
+    q: &mut [i8],
+    stored: impl Fn(f32) -> f32,
+) -> f32 {
     let amax = v.clone().fold(0f32, |m, x| m.max(x.abs()));
-    if amax == 0.0 {
+    let s = stored(amax / 127.0);
+    if s == 0.0 {
         q.fill(0);
         return 0.0;
     }
-    let s = amax / 127.0;
     for (qi, x) in q.iter_mut().zip(v) {
-        *qi = (x / s).round() as i8;
+        *qi = (x / s).round().clamp(-127.0, 127.0) as i8;
     }
     s
 }
@@ -242,15 +248,11 @@ impl Int8Matrix {
             .for_each(|((q, scales), row)| {
                 for (g, (qg, s)) in q.chunks_exact_mut(INT8_GROUP).zip(scales).enumerate() {
                     let vals = &row[(g * INT8_GROUP).min(cols)..((g + 1) * INT8_GROUP).min(cols)];
-                    let amax = vals.iter().fold(0f32, |m, v| m.max(v.to_f32().abs()));
-                    // Quantized against the scale as stored (FP16), which the kernel uses.
-                    *s = half::f16::from_f32(amax / 127.0);
-                    let scale = s.to_f32();
-                    if scale > 0.0 {
-                        for (qi, v) in qg.iter_mut().zip(vals) {
-                            *qi = (v.to_f32() / scale).round().clamp(-127.0, 127.0) as i8;
-                        }
-                    }
+                    let n = vals.len();
+                    let vals = vals.iter().map(|v| v.to_f32());
+                    let f16_scale = |x: f32| half::f16::from_f32(x).to_f32();
+                    let scale = quantize_group_i8(vals, &mut qg[..n], f16_scale);
+                    *s = half::f16::from_f32(scale);
                 }
             });
         Self {
@@ -312,7 +314,7 @@ impl Int8Acts {
         {
             for (g, (qg, sg)) in q.chunks_exact_mut(INT8_GROUP).zip(s).enumerate() {
                 let vals = &row[(g * INT8_GROUP).min(k)..((g + 1) * INT8_GROUP).min(k)];
-                *sg = quantize_group_i8(vals.iter().copied(), &mut qg[..vals.len()]);
+                *sg = quantize_group_i8(vals.iter().copied(), &mut qg[..vals.len()], |x| x);
             }
         }
         Self { padded, q, scales }

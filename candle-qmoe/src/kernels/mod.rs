@@ -30,6 +30,18 @@ pub(crate) mod x86_simd {
     }
 }
 
+/// The contiguous elements of a CPU storage, or an error saying that `what` must be contiguous.
+pub(crate) fn contiguous_slice<'a, T: candle::WithDType>(
+    s: &'a candle::CpuStorage,
+    l: &candle::Layout,
+    what: impl std::fmt::Display,
+) -> candle::Result<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&s.as_slice::<T>()?[a..b]),
+        None => candle::bail!("{what} must be contiguous"),
+    }
+}
+
 /// `[n, m]` row-major (one row per output feature) to `[m, n]` (one row per token); the two
 /// coincide when `m = 1`.
 pub(crate) fn transpose_to_tokens(yt: Vec<f32>, m: usize, n: usize) -> Vec<f32> {

@@ -7,7 +7,9 @@ use candle_nn::{embedding, Embedding, VarBuilder};
 
 use super::config::{ModelConfig, ModelSpec};
 use super::experts::ExpertsLoader;
-use super::layers::{causal_mask, DecoderLayer, FeedForward, RmsNorm, RotaryEmbedding};
+use super::layers::{
+    causal_mask, fused_attention, DecoderLayer, FeedForward, RmsNorm, RotaryEmbedding,
+};
 use crate::linear::{activation_dtype, DenseLinear};
 use crate::{QmoeError, SparseMoe};
 
@@ -187,7 +189,11 @@ impl MoeForCausalLm {
     ) -> candle::Result<Pass> {
         let (_, s) = self.check_input(input_ids, offset)?;
         let ids = input_ids.to_dtype(DType::U32)?.to_device(&self.device)?;
-        let mask = causal_mask(s, offset, &self.device)?;
+        // The fused CPU attention needs no mask: positions imply it.
+        let mask = match fused_attention(&self.device, self.activations) {
+            true => None,
+            false => causal_mask(s, offset, &self.device)?,
+        };
         let xs = self
             .embed_tokens
             .forward(&ids)?

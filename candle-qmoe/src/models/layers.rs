@@ -118,6 +118,13 @@ impl RotaryEmbedding {
     }
 }
 
+/// Whether attention over activations of `dtype` on `device` runs the fused CPU kernel
+/// ([`crate::kernels::attention`], F32 on the CPU: the causal mask is implied by positions) or
+/// Candle tensor code with an explicit mask.
+pub fn fused_attention(device: &Device, dtype: DType) -> bool {
+    device.is_cpu() && dtype == DType::F32
+}
+
 /// The additive causal mask `[S, offset + S]` (F32, `-inf` above the shifted diagonal), or `None`
 /// for a single token, which may attend to everything cached.
 pub fn causal_mask(
@@ -236,7 +243,7 @@ impl Attention {
             k = k.clamp(-c, c)?;
             v = v.clamp(-c, c)?;
         }
-        if xs.device().is_cpu() && q.dtype() == DType::F32 {
+        if fused_attention(xs.device(), q.dtype()) {
             self.attend_host(q, k, v, offset)
         } else {
             self.attend_tensors(q, k, v, offset, mask)

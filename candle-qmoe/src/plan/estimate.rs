@@ -256,7 +256,7 @@ fn workspace(spec: &ModelSpec, opts: &PlanOptions, ctx: usize) -> ByteRange {
     // repeated to every query head under GQA (not fused); the scores (at least the softmax's
     // F32 input next to the probabilities in the dtype; at most also the matmul result and the
     // scaled and masked copies; fused, at most one row per sequence and head); the F32 causal
-    // mask.
+    // mask (not fused only).
     let fused = opts.target.fused_attention(opts.dtype);
     let (nh, nkv, hd) = (spec.num_heads, spec.num_kv_heads, spec.head_dim);
     let qkv = product(&[n, nh + 2 * nkv, hd, dt]);
@@ -271,7 +271,7 @@ fn workspace(spec: &ModelSpec, opts: &PlanOptions, ctx: usize) -> ByteRange {
     } else {
         product(&[b, nh, chunk, ctx])
     };
-    let mask = product(&[chunk, ctx, 4]);
+    let mask = if fused { 0 } else { product(&[chunk, ctx, 4]) };
     let fixed = kv_grow + repeat + mask;
     let attention = ByteRange::new(
         qkv + fixed + scores * (4 + dt as u64),

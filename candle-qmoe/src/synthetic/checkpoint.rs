@@ -172,6 +172,12 @@ fn layer_of(name: &str) -> Option<usize> {
         .ok()
 }
 
+/// Maps an I/O error while writing `path` to [`QmoeError::Write`] naming it.
+fn write_error(path: &Path) -> impl FnOnce(std::io::Error) -> QmoeError {
+    let path = path.to_path_buf();
+    move |source| QmoeError::Write { path, source }
+}
+
 impl SyntheticCheckpoint {
     /// `kind` with weights from `seed`, in shards of at most [`DEFAULT_MAX_SHARD_BYTES`].
     pub fn new(kind: SyntheticKind, seed: u64) -> Self {
@@ -192,10 +198,6 @@ impl SyntheticCheckpoint {
         extra_files: &[(&str, &[u8])],
         on_progress: &(dyn Fn(u64, u64) + Sync),
     ) -> crate::Result<WrittenCheckpoint> {
-        let write_error = |path: &Path| {
-            let path = path.to_path_buf();
-            move |source| QmoeError::Write { path, source }
-        };
         std::fs::create_dir_all(dir).map_err(write_error(dir))?;
         let mut entries = std::fs::read_dir(dir).map_err(|source| QmoeError::Io {
             path: dir.to_path_buf(),
@@ -238,10 +240,6 @@ impl SyntheticCheckpoint {
         extra_files: &[(&str, &[u8])],
         on_progress: &(dyn Fn(u64, u64) + Sync),
     ) -> crate::Result<WrittenCheckpoint> {
-        let write_error = |path: &Path| {
-            let path = path.to_path_buf();
-            move |source| QmoeError::Write { path, source }
-        };
         let total: u64 = plan.pieces.iter().map(|p| plan.bytes(p)).sum();
         let mut weight_map = serde_json::Map::new();
         for (pieces, name) in shards.iter().zip(names) {
