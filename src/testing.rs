@@ -84,15 +84,56 @@ pub fn reference_f64(
     w: &[f32],
     k: usize,
 ) -> Vec<f64> {
+    reference_f64_rounding_acts(experts, xs, ids, w, k, None)
+}
+
+/// `x` rounded as the CPU kernel rounds activations: per group of `group` values to the
+/// nearest multiple of `absmax / qmax`, the scale and quotient computed in F32.
+pub fn round_activations(x: &[f64], group: usize, qmax: f32) -> Vec<f64> {
+    x.chunks(group)
+        .flat_map(|g| {
+            let amax = g.iter().fold(0f32, |m, &v| m.max((v as f32).abs()));
+            let s = amax / qmax;
+            g.iter().map(move |&v| {
+                if amax == 0.0 {
+                    0.0
+                } else {
+                    ((v as f32 / s).round() * s) as f64
+                }
+            })
+        })
+        .collect()
+}
+
+/// [`reference_f64`] with each expert's inputs (`x`, then SiLU·up) first rounded by
+/// [`round_activations`] when `acts` gives `(group, qmax)`: the exact result of a kernel that
+/// quantizes activations, up to its F32 accumulation.
+pub fn reference_f64_rounding_acts(
+    experts: &[DenseExpert],
+    xs: &[f32],
+    ids: &[u32],
+    w: &[f32],
+    k: usize,
+    acts: Option<(usize, f32)>,
+) -> Vec<f64> {
     let (inter, hidden) = experts[0].gate.dims2().unwrap();
     let tokens = xs.len() / hidden;
+    let round = |v: Vec<f64>| match acts {
+        Some((group, qmax)) => round_activations(&v, group, qmax),
+        None => v,
+    };
     let dense: Vec<_> = experts
         .iter()
         .map(|e| (to_f64(&e.gate), to_f64(&e.up), to_f64(&e.down)))
         .collect();
     let mut out = vec![0f64; tokens * hidden];
     for t in 0..tokens {
-        let x = &xs[t * hidden..(t + 1) * hidden];
+        let x = round(
+            xs[t * hidden..(t + 1) * hidden]
+                .iter()
+                .map(|&v| v as f64)
+                .collect(),
+        );
         for j in 0..k {
             let (g, u, d) = &dense[ids[t * k + j] as usize];
             let h: Vec<f64> = (0..inter)
@@ -100,14 +141,15 @@ pub fn reference_f64(
                     let dot = |m: &[f64]| -> f64 {
                         m[i * hidden..(i + 1) * hidden]
                             .iter()
-                            .zip(x)
-                            .map(|(a, &b)| a * b as f64)
+                            .zip(&x)
+                            .map(|(a, b)| a * b)
                             .sum()
                     };
                     let gv = dot(g);
                     gv / (1.0 + (-gv).exp()) * dot(u)
                 })
                 .collect();
+            let h = round(h);
             for n in 0..hidden {
                 let y: f64 = d[n * inter..(n + 1) * inter]
                     .iter()

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use candle::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
+use candle_qmoe::kernels::cpu::W4A8_MIN_TOKENS;
 use candle_qmoe::models::{
     self, olmoe, qwen2_moe, AnyConfig, ExpertsBackend, ExpertsLoader, ModelConfig, MoeForCausalLm,
     PackedExperts, QuantizeOptions,
@@ -229,9 +230,15 @@ fn packed(name: &str, group: GroupSize) -> PackedExperts {
     PackedExperts::for_checkpoint(Arc::new(pack), fixture_dir(name)).unwrap()
 }
 
-/// In the full model, the INT4 kernel matches the dense oracle on the dequantized weights
-/// (measured max |Δlogit| ≈ 2e-4 on both fixtures, no top-1 flip), so any difference is kernel
-/// arithmetic (F32 accumulation order), not quantization.
+/// In the full model, the INT4 kernel matches the dense oracle on the dequantized weights, so
+/// any difference is kernel arithmetic, not weight quantization. Below
+/// `W4A8_MIN_TOKENS` tokens (decode-sized calls; prompt 0 has 7) the activations are rounded to
+/// `i16` and only F32 accumulation order is left (measured max |Δlogit| ≈ 2e-4 on both
+/// fixtures, no top-1 flip). Longer calls (prompt 1 has 33 tokens) round activations to `i8`
+/// per group: a relative error of ~1% per projection (tests/routed_experts.rs), through two
+/// layers. Measured: KL ≤ 3.5e-4, max |Δlogit| ≤ 0.43, top-1 ≥ 0.94, a twenty-fifth of the KL
+/// the INT4 weights themselves cost on these fixtures (~9e-3, `int4_*` above); the bounds keep
+/// it below a tenth, with top-1 agreeing on at least 90% of the positions.
 #[test]
 fn int4_kernel_matches_dequantized_oracle_in_model() {
     for name in FIXTURES {
@@ -242,22 +249,33 @@ fn int4_kernel_matches_dequantized_oracle_in_model() {
             let mut int4 = load_any(name, &experts);
             let mut oracle = load_any(name, &experts.clone().dequantized(DType::F32));
             for p in 0..golden_prompt_count(&golden) {
-                let ids = row_tensor(&ids_u32(&golden[&format!("prompt{p}.input_ids")]));
+                let ids = ids_u32(&golden[&format!("prompt{p}.input_ids")]);
+                let a8 = ids.len() >= W4A8_MIN_TOKENS;
+                let ids = row_tensor(&ids);
                 int4.clear_kv_cache();
                 oracle.clear_kv_cache();
                 let a = int4.forward_all(&ids, 0).unwrap().squeeze(0).unwrap();
                 let b = oracle.forward_all(&ids, 0).unwrap().squeeze(0).unwrap();
                 let m = logit_agreement(&a, &b).unwrap();
                 eprintln!(
-                    "{name} g{g} prompt{p}: int4 kernel vs dequantized oracle max |Δlogit| {:.2e}",
-                    m.max_abs_diff
+                    "{name} g{g} prompt{p} ({}): int4 kernel vs dequantized oracle max |Δlogit| \
+                     {:.2e}, KL {:.2e}, top-1 {:.3}",
+                    if a8 {
+                        "i8 activations"
+                    } else {
+                        "i16 activations"
+                    },
+                    m.max_abs_diff,
+                    m.mean_kl,
+                    m.top1
                 );
-                assert_eq!(m.top1, 1.0, "{name} g{g} prompt{p}");
-                assert!(
-                    m.max_abs_diff < 2e-3,
-                    "{name} g{g} prompt{p}: {}",
-                    m.max_abs_diff
-                );
+                if a8 {
+                    assert!(m.mean_kl < 9e-4, "{name} g{g} prompt{p}: KL {}", m.mean_kl);
+                    assert!(m.top1 >= 0.9, "{name} g{g} prompt{p}: top-1 {}", m.top1);
+                } else {
+                    assert_eq!(m.top1, 1.0, "{name} g{g} prompt{p}");
+                    assert!(m.max_abs_diff < 2e-3, "{name} g{g} prompt{p}: {m:?}");
+                }
             }
         }
     }

@@ -1,11 +1,16 @@
-//! The CPU W4A16 kernel: fused top-k routed experts computed straight from INT4 slabs.
+//! The CPU W4A16 / W4A8 kernel: fused top-k routed experts computed straight from INT4 slabs.
 //!
-//! Activations are quantized on the fly to `i16` per K-group (scale = group absmax / 32767, an
-//! error of at most 2⁻¹⁶ of the group's largest value — below FP16's own rounding for the values
-//! that dominate the dot product). Inside a group, nibble × activation products are summed
-//! exactly in `i32` (`vpmaddwd` on AVX2, `vpdpwssd` on AVX-512 VNNI); each group's sum is scaled
-//! by `weight_scale · activation_scale` and accumulated in F32. The `−8` nibble offset is folded
-//! in exactly as `−8 · Σ q_x` per group, precomputed once per activation row.
+//! Activations are quantized on the fly per K-group, to `i16` for calls of fewer than
+//! [`W4A8_MIN_TOKENS`] tokens (decode: scale = group absmax / 32767, an error of at most 2⁻¹⁶ of
+//! the group's largest value — below FP16's own rounding for the values that dominate the dot
+//! product) and to `i8` for longer calls (prefill: absmax / 127, as llama.cpp's Q8_K activations;
+//! an error of at most 1/254 of the group's largest value, a tenth of what the INT4 weights
+//! already lose). Inside a group, nibble × activation products are summed exactly in integers:
+//! `vpmaddwd` on AVX2 and `vpdpwssd` on AVX-512 VNNI for `i16`; `vpmaddubsw` (unsigned nibble ×
+//! signed byte, at most 2 · 15 · 127 per pair) summed in `i16` over the group's at most 8 chunks
+//! (≤ 30 480, no saturation) and widened once per group for `i8`. Each group's sum is scaled by
+//! `weight_scale · activation_scale` and accumulated in F32. The `−8` nibble offset is folded in
+//! exactly as `−8 · Σ q_x` per group, precomputed once per activation row.
 //!
 //! Work is split with rayon: first over (expert, block of intermediate rows) for gate/up and
 //! SiLU·up, then over blocks of hidden rows for the down projection and the weighted combine,
@@ -21,6 +26,10 @@ use rayon::prelude::*;
 use super::RoutePlan;
 use crate::pack::layout::{CHUNK_BYTES, CHUNK_WEIGHTS, CPU_LANE_COLUMN};
 use crate::pack::{ExpertLayout, QMatrixLayout};
+
+/// Calls with at least this many tokens (prefill chunks) quantize activations to `i8` and use
+/// the byte dot products; shorter ones (decode) keep `i16` activations.
+pub const W4A8_MIN_TOKENS: usize = 16;
 
 /// Instruction set used by the CPU kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,30 +89,56 @@ const LANE_OF_COLUMN: [usize; CHUNK_WEIGHTS] = {
     out
 };
 
-/// Rows of activations quantized to `i16` per K-group, in the kernels' lane order.
+/// An integer type activations are quantized to: `i16` (decode) or `i8` (prefill).
+trait ActInt: Copy + Default + Send + Sync + Into<i32> {
+    /// The largest magnitude a quantized activation takes.
+    const MAX: f32;
+    /// `v`, already rounded and within `±MAX`.
+    fn from_rounded(v: f32) -> Self;
+    /// Most activation rows sharing one pass over a weight row on `isa`: as many as keep the
+    /// accumulators in registers.
+    fn token_block(isa: CpuIsa) -> usize;
+    /// `out[r · TB + t] = row_{rows.start + r} · acts[t]` for a block of rows of `m`.
+    fn block<const TB: usize>(
+        isa: CpuIsa,
+        shape: DotShape,
+        m: &PackedMatrix,
+        rows: Range<usize>,
+        acts: &ActBlock<Self>,
+        out: &mut [f32],
+    );
+}
+
+/// Rows of activations quantized to `T` per K-group, in the kernels' lane order.
 #[derive(Clone, Debug)]
-pub struct QuantActs {
+struct QuantActs<T> {
     padded_cols: usize,
     groups: usize,
-    q: Vec<i16>,
+    q: Vec<T>,
     scale: Vec<f32>,
     corr: Vec<i32>,
 }
 
-/// One quantized activation row.
-#[derive(Clone, Copy)]
-struct ActRow<'a> {
-    q: &'a [i16],
-    scale: &'a [f32],
-    corr: &'a [i32],
+/// Most activation rows in one [`ActBlock`].
+const MAX_TOKEN_BLOCK: usize = 8;
+
+/// Up to [`MAX_TOKEN_BLOCK`] activation rows interleaved for one pass over a weight row:
+/// chunk `c` of row `t` at `q[(c · tb + t) · 32..]`, so that the kernels address every row from
+/// one pointer, and group `g`'s scale and `−8` correction of row `t` at
+/// `[g · MAX_TOKEN_BLOCK + t]` (zero beyond `tb`), so that one vector load takes a group's.
+struct ActBlock<T> {
+    tb: usize,
+    q: Vec<T>,
+    scale: Vec<f32>,
+    corr: Vec<i32>,
 }
 
-impl QuantActs {
+impl<T: ActInt> QuantActs<T> {
     /// Quantizes row-major `x [rows, cols]` with groups of `group_size` columns.
-    pub fn new(x: &[f32], rows: usize, cols: usize, group_size: usize) -> Self {
+    fn new(x: &[f32], rows: usize, cols: usize, group_size: usize) -> Self {
         let padded_cols = cols.div_ceil(CHUNK_WEIGHTS) * CHUNK_WEIGHTS;
         let groups = cols.div_ceil(group_size);
-        let mut q = vec![0i16; rows * padded_cols];
+        let mut q = vec![T::default(); rows * padded_cols];
         let mut scale = vec![0f32; rows * groups];
         let mut corr = vec![0i32; rows * groups];
         q.par_chunks_mut(padded_cols)
@@ -117,14 +152,14 @@ impl QuantActs {
                     if amax == 0.0 {
                         continue;
                     }
-                    let s = amax / 32767.0;
+                    let s = amax / T::MAX;
                     let mut sum = 0i32;
                     for (c, &v) in (c0..c1).zip(&x[c0..c1]) {
                         let lane =
                             (c / CHUNK_WEIGHTS) * CHUNK_WEIGHTS + LANE_OF_COLUMN[c % CHUNK_WEIGHTS];
-                        let v = (v / s).round() as i16;
+                        let v = T::from_rounded((v / s).round());
                         q[lane] = v;
-                        sum += v as i32;
+                        sum += v.into();
                     }
                     scale[gi] = s;
                     corr[gi] = -8 * sum;
@@ -139,12 +174,32 @@ impl QuantActs {
         }
     }
 
-    fn row(&self, r: usize) -> ActRow<'_> {
-        ActRow {
-            q: &self.q[r * self.padded_cols..(r + 1) * self.padded_cols],
-            scale: &self.scale[r * self.groups..(r + 1) * self.groups],
-            corr: &self.corr[r * self.groups..(r + 1) * self.groups],
-        }
+    /// Rows `rows` in interleaved blocks of at most `tb_max` rows.
+    fn blocks(&self, rows: &[usize], tb_max: usize) -> Vec<ActBlock<T>> {
+        let (chunks, groups) = (self.padded_cols / CHUNK_WEIGHTS, self.groups);
+        rows.chunks(tb_max)
+            .map(|rs| {
+                let tb = rs.len();
+                let mut blk = ActBlock {
+                    tb,
+                    q: vec![T::default(); chunks * tb * CHUNK_WEIGHTS],
+                    scale: vec![0f32; groups * MAX_TOKEN_BLOCK],
+                    corr: vec![0i32; groups * MAX_TOKEN_BLOCK],
+                };
+                for (t, &r) in rs.iter().enumerate() {
+                    let q = &self.q[r * self.padded_cols..(r + 1) * self.padded_cols];
+                    for (c, src) in q.chunks_exact(CHUNK_WEIGHTS).enumerate() {
+                        let at = (c * tb + t) * CHUNK_WEIGHTS;
+                        blk.q[at..at + CHUNK_WEIGHTS].copy_from_slice(src);
+                    }
+                    for g in 0..groups {
+                        blk.scale[g * MAX_TOKEN_BLOCK + t] = self.scale[r * groups + g];
+                        blk.corr[g * MAX_TOKEN_BLOCK + t] = self.corr[r * groups + g];
+                    }
+                }
+                blk
+            })
+            .collect()
     }
 }
 
@@ -183,12 +238,11 @@ impl DotShape {
         }
     }
     /// Checks every slice covers the geometry, so the SIMD loops stay in bounds.
-    fn check<const TB: usize>(&self, w: &[u8], s: &[u8], acts: &[ActRow; TB]) {
+    fn check<T, const TB: usize>(&self, w: &[u8], s: &[u8], acts: &ActBlock<T>) {
         assert!(w.len() >= self.chunks * CHUNK_BYTES && s.len() >= 2 * self.groups);
-        for a in acts {
-            assert!(a.q.len() >= self.chunks * CHUNK_WEIGHTS);
-            assert!(a.scale.len() >= self.groups && a.corr.len() >= self.groups);
-        }
+        assert!(acts.tb == TB && acts.q.len() >= self.chunks * TB * CHUNK_WEIGHTS);
+        let lanes = self.groups * MAX_TOKEN_BLOCK;
+        assert!(TB <= MAX_TOKEN_BLOCK && acts.scale.len() >= lanes && acts.corr.len() >= lanes);
     }
 }
 
@@ -197,30 +251,31 @@ fn scale_at(s: &[u8], g: usize) -> f32 {
     f16::from_le_bytes([s[2 * g], s[2 * g + 1]]).to_f32()
 }
 
-fn dot_scalar<const TB: usize>(
+fn dot_scalar<T: ActInt, const TB: usize>(
     shape: DotShape,
     w: &[u8],
     s: &[u8],
-    acts: &[ActRow; TB],
+    acts: &ActBlock<T>,
 ) -> [f32; TB] {
+    shape.check::<T, TB>(w, s, acts);
     let mut out = [0f32; TB];
     for gi in 0..shape.groups {
         let c0 = gi * shape.chunks_per_group;
         let c1 = (c0 + shape.chunks_per_group).min(shape.chunks);
-        let mut acc: [i32; TB] = std::array::from_fn(|t| acts[t].corr[gi]);
+        let mut acc: [i32; TB] = std::array::from_fn(|t| acts.corr[gi * MAX_TOKEN_BLOCK + t]);
         for c in c0..c1 {
             for b in 0..CHUNK_BYTES {
                 let byte = w[c * CHUNK_BYTES + b];
                 let (lo, hi) = ((byte & 0xf) as i32, (byte >> 4) as i32);
-                for (a, x) in acc.iter_mut().zip(acts) {
-                    let xq = &x.q[c * CHUNK_WEIGHTS..];
-                    *a += lo * xq[b] as i32 + hi * xq[16 + b] as i32;
+                for (t, a) in acc.iter_mut().enumerate() {
+                    let xq = &acts.q[(c * TB + t) * CHUNK_WEIGHTS..];
+                    *a += lo * xq[b].into() + hi * xq[16 + b].into();
                 }
             }
         }
         let sw = scale_at(s, gi);
         for t in 0..TB {
-            out[t] += acc[t] as f32 * (sw * acts[t].scale[gi]);
+            out[t] += acc[t] as f32 * (sw * acts.scale[gi * MAX_TOKEN_BLOCK + t]);
         }
     }
     out
@@ -279,17 +334,17 @@ mod x86 {
         shape: DotShape,
         w: &[u8],
         s: &[u8],
-        acts: &[ActRow; TB],
+        acts: &ActBlock<i16>,
     ) -> [f32; TB] {
-        shape.check(w, s, acts);
-        let (wp, x): (*const u8, [*const i16; TB]) =
-            (w.as_ptr(), std::array::from_fn(|t| acts[t].q.as_ptr()));
+        shape.check::<i16, TB>(w, s, acts);
+        let (wp, x) = (w.as_ptr(), acts.q.as_ptr());
         let mut facc = [_mm256_setzero_ps(); TB];
         for gi in 0..shape.groups {
             let c0 = gi * shape.chunks_per_group;
             let c1 = (c0 + shape.chunks_per_group).min(shape.chunks);
+            let corr = &acts.corr[gi * MAX_TOKEN_BLOCK..];
             let mut acc: [__m256i; TB] =
-                std::array::from_fn(|t| _mm256_setr_epi32(acts[t].corr[gi], 0, 0, 0, 0, 0, 0, 0));
+                std::array::from_fn(|t| _mm256_setr_epi32(corr[t], 0, 0, 0, 0, 0, 0, 0));
             for c in c0..c1 {
                 if c % 4 == 0 {
                     // Rows of a block are contiguous: fetch ahead across row ends (never faults).
@@ -299,17 +354,99 @@ mod x86 {
                 }
                 // SAFETY: `shape.check` proved chunk `c` lies inside `w` and every `q`.
                 let wq = decode_avx2(wp, c);
-                for t in 0..TB {
-                    acc[t] = _mm256_add_epi32(acc[t], madd_avx2(wq, x[t], c));
+                for (t, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_add_epi32(*a, madd_avx2(wq, x, c * TB + t));
                 }
             }
             let sw = scale_f16c(s, gi);
             for t in 0..TB {
-                let f = _mm256_set1_ps(sw * acts[t].scale[gi]);
+                let f = _mm256_set1_ps(sw * acts.scale[gi * MAX_TOKEN_BLOCK + t]);
                 facc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t]), f, facc[t]);
             }
         }
         std::array::from_fn(|t| hsum256(facc[t]))
+    }
+
+    /// [`row_avx2`] for `i8` activations: chunk `c`'s 32 nibbles as bytes (`[low nibbles |
+    /// high nibbles]`, the activations' lane order) times the activations with `vpmaddubsw`,
+    /// summed in `i16` over the group (at most 8 chunks of at most 2 · 15 · 127 per lane) and
+    /// widened to `i32` once per group.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; the slices must cover `shape` (checked).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn row_a8_avx2<const TB: usize>(
+        shape: DotShape,
+        w: &[u8],
+        s: &[u8],
+        acts: &ActBlock<i8>,
+    ) -> [f32; TB] {
+        shape.check::<i8, TB>(w, s, acts);
+        assert!(
+            shape.chunks_per_group <= 8,
+            "i16 sums hold at most 8 chunks"
+        );
+        let (wp, x) = (w.as_ptr(), acts.q.as_ptr());
+        let (mask, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
+        let mut facc = _mm256_setzero_ps();
+        for gi in 0..shape.groups {
+            let c0 = gi * shape.chunks_per_group;
+            let c1 = (c0 + shape.chunks_per_group).min(shape.chunks);
+            let mut acc = [_mm256_setzero_si256(); TB];
+            for c in c0..c1 {
+                if c % 4 == 0 {
+                    // Rows of a block are contiguous: fetch ahead across row ends (never faults).
+                    _mm_prefetch::<_MM_HINT_T0>(
+                        wp.wrapping_add(c * CHUNK_BYTES + PREFETCH_BYTES) as *const i8
+                    );
+                }
+                // SAFETY: `shape.check` proved chunk `c` lies inside `w` and every `q`.
+                let b = _mm_loadu_si128(wp.add(c * CHUNK_BYTES) as *const __m128i);
+                let wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), mask);
+                for (t, a) in acc.iter_mut().enumerate() {
+                    let xq = _mm256_loadu_si256(x.add((c * TB + t) * CHUNK_WEIGHTS) as *const _);
+                    *a = _mm256_add_epi16(*a, _mm256_maddubs_epi16(wq, xq));
+                }
+            }
+            // One exact i32 total per token (lane t), then one scale for all of them.
+            let totals = hsum_lanes(std::array::from_fn(|t| {
+                if t < TB {
+                    _mm256_madd_epi16(acc[t], ones)
+                } else {
+                    _mm256_setzero_si256()
+                }
+            }));
+            let at = gi * MAX_TOKEN_BLOCK;
+            // SAFETY: `shape.check` proved `scale` and `corr` hold 8 lanes per group.
+            let corr = _mm256_loadu_si256(acts.corr.as_ptr().add(at) as *const __m256i);
+            let f = _mm256_mul_ps(
+                _mm256_set1_ps(scale_f16c(s, gi)),
+                _mm256_loadu_ps(acts.scale.as_ptr().add(at)),
+            );
+            let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(totals, corr));
+            facc = _mm256_fmadd_ps(sum, f, facc);
+        }
+        let mut out = [0f32; MAX_TOKEN_BLOCK];
+        _mm256_storeu_ps(out.as_mut_ptr(), facc);
+        std::array::from_fn(|t| out[t])
+    }
+
+    /// Lane `t` of the result is the sum of the eight lanes of `v[t]`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn hsum_lanes(v: [__m256i; MAX_TOKEN_BLOCK]) -> __m256i {
+        let ab = _mm256_hadd_epi32(v[0], v[1]);
+        let cd = _mm256_hadd_epi32(v[2], v[3]);
+        let ef = _mm256_hadd_epi32(v[4], v[5]);
+        let gh = _mm256_hadd_epi32(v[6], v[7]);
+        // [a b c d | a b c d] partial sums of the low and high 128-bit halves.
+        let abcd = _mm256_hadd_epi32(ab, cd);
+        let efgh = _mm256_hadd_epi32(ef, gh);
+        _mm256_add_epi32(
+            _mm256_permute2x128_si256(abcd, efgh, 0x20),
+            _mm256_permute2x128_si256(abcd, efgh, 0x31),
+        )
     }
 
     /// Chunk `c` as 32 × i16: `[low nibbles of bytes 0..16 | high nibbles of bytes 0..16]`, the
@@ -334,20 +471,20 @@ mod x86 {
         shape: DotShape,
         w: &[u8],
         s: &[u8],
-        acts: &[ActRow; TB],
+        acts: &ActBlock<i16>,
     ) -> [f32; TB] {
-        shape.check(w, s, acts);
-        let (wp, x): (*const u8, [*const i16; TB]) =
-            (w.as_ptr(), std::array::from_fn(|t| acts[t].q.as_ptr()));
-        let xload =
-            |t: usize, c: usize| _mm512_loadu_si512(x[t].add(c * CHUNK_WEIGHTS) as *const _);
+        shape.check::<i16, TB>(w, s, acts);
+        let (wp, x) = (w.as_ptr(), acts.q.as_ptr());
+        let xload = |t: usize, c: usize| {
+            _mm512_loadu_si512(x.add((c * TB + t) * CHUNK_WEIGHTS) as *const _)
+        };
         let mut facc = [_mm512_setzero_ps(); TB];
         for gi in 0..shape.groups {
             let c0 = gi * shape.chunks_per_group;
             let c1 = (c0 + shape.chunks_per_group).min(shape.chunks);
             // Two accumulator chains (even and odd chunks) hide `vpdpwssd`'s latency.
             let mut even: [__m512i; TB] = std::array::from_fn(|t| {
-                _mm512_zextsi128_si512(_mm_cvtsi32_si128(acts[t].corr[gi]))
+                _mm512_zextsi128_si512(_mm_cvtsi32_si128(acts.corr[gi * MAX_TOKEN_BLOCK + t]))
             });
             let mut odd = [_mm512_setzero_si512(); TB];
             let mut c = c0;
@@ -373,17 +510,18 @@ mod x86 {
             let sw = scale_f16c(s, gi);
             for t in 0..TB {
                 let sum = _mm512_cvtepi32_ps(_mm512_add_epi32(even[t], odd[t]));
-                facc[t] = _mm512_fmadd_ps(sum, _mm512_set1_ps(sw * acts[t].scale[gi]), facc[t]);
+                let f = _mm512_set1_ps(sw * acts.scale[gi * MAX_TOKEN_BLOCK + t]);
+                facc[t] = _mm512_fmadd_ps(sum, f, facc[t]);
             }
         }
         std::array::from_fn(|t| _mm512_reduce_add_ps(facc[t]))
     }
 
-    /// Defines `$name`: [`block`] over rows computed by `$row`, compiled for `$features` so
-    /// that the row function inlines into the loop.
+    /// Defines `$name`: [`ActInt::block`] over rows computed by `$row` for `$act` activations,
+    /// compiled for `$features` so that the row function inlines into the loop.
     macro_rules! row_block {
-        ($name:ident, $row:ident, $features:literal) => {
-            /// [`block`] for one instruction set.
+        ($name:ident, $row:ident, $act:ty, $features:literal) => {
+            /// [`ActInt::block`] for one instruction set.
             ///
             /// # Safety
             /// The CPU must support the target features this function is compiled for.
@@ -392,91 +530,140 @@ mod x86 {
                 shape: DotShape,
                 m: &PackedMatrix,
                 rows: Range<usize>,
-                acts: &[ActRow; TB],
+                acts: &ActBlock<$act>,
                 out: &mut [f32],
             ) {
                 for (n, o) in rows.zip(out.chunks_exact_mut(TB)) {
                     let (w, s) = m.row(n);
                     // SAFETY: the caller guarantees the CPU features; the row function checks
                     // the slices against `shape`.
-                    o.copy_from_slice(&unsafe { $row(shape, w, s, acts) });
+                    o.copy_from_slice(&unsafe { $row::<TB>(shape, w, s, acts) });
                 }
             }
         };
     }
-    row_block!(block_avx2, row_avx2, "avx2,fma,f16c");
+    row_block!(block_avx2, row_avx2, i16, "avx2,fma,f16c");
+    row_block!(block_a8_avx2, row_a8_avx2, i8, "avx2,fma,f16c");
     row_block!(
         block_avx512,
         row_avx512,
+        i16,
         "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
     );
 }
 
-/// `out[r · TB + t] = row_{rows.start + r} · acts[t]` for a block of rows of `m`.
-#[inline]
-fn block<const TB: usize>(
-    isa: CpuIsa,
+/// `out[r · TB + t]` by the portable dot product, for every instruction set's fallback.
+fn block_scalar<T: ActInt, const TB: usize>(
     shape: DotShape,
     m: &PackedMatrix,
     rows: Range<usize>,
-    acts: &[ActRow; TB],
+    acts: &ActBlock<T>,
     out: &mut [f32],
 ) {
-    match isa {
-        // SAFETY: `routed_forward` checked that `isa` is available on this CPU.
-        #[cfg(target_arch = "x86_64")]
-        CpuIsa::Avx2 => unsafe { x86::block_avx2(shape, m, rows, acts, out) },
-        // SAFETY: as above.
-        #[cfg(target_arch = "x86_64")]
-        CpuIsa::Avx512Vnni => unsafe { x86::block_avx512(shape, m, rows, acts, out) },
-        _ => {
-            for (n, o) in rows.zip(out.chunks_exact_mut(TB)) {
-                let (w, s) = m.row(n);
-                o.copy_from_slice(&dot_scalar(shape, w, s, acts));
-            }
+    for (n, o) in rows.zip(out.chunks_exact_mut(TB)) {
+        let (w, s) = m.row(n);
+        o.copy_from_slice(&dot_scalar::<T, TB>(shape, w, s, acts));
+    }
+}
+
+impl ActInt for i16 {
+    const MAX: f32 = 32767.0;
+    fn from_rounded(v: f32) -> Self {
+        v as i16
+    }
+    fn token_block(isa: CpuIsa) -> usize {
+        // 32 vector registers on AVX-512, 16 otherwise.
+        match isa {
+            CpuIsa::Avx512Vnni => 8,
+            _ => 4,
+        }
+    }
+    #[inline]
+    fn block<const TB: usize>(
+        isa: CpuIsa,
+        shape: DotShape,
+        m: &PackedMatrix,
+        rows: Range<usize>,
+        acts: &ActBlock<i16>,
+        out: &mut [f32],
+    ) {
+        match isa {
+            // SAFETY: `routed_forward` checked that `isa` is available on this CPU.
+            #[cfg(target_arch = "x86_64")]
+            CpuIsa::Avx2 => unsafe { x86::block_avx2::<TB>(shape, m, rows, acts, out) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            CpuIsa::Avx512Vnni => unsafe { x86::block_avx512::<TB>(shape, m, rows, acts, out) },
+            _ => block_scalar::<_, TB>(shape, m, rows, acts, out),
         }
     }
 }
 
-/// Most activation rows sharing one pass over a weight row: as many as keep every
-/// accumulator in registers (32 vector registers on AVX-512, 16 otherwise).
-fn token_block(isa: CpuIsa) -> usize {
-    match isa {
-        CpuIsa::Avx512Vnni => 8,
-        _ => 4,
+impl ActInt for i8 {
+    const MAX: f32 = 127.0;
+    fn from_rounded(v: f32) -> Self {
+        v as i8
+    }
+    fn token_block(isa: CpuIsa) -> usize {
+        match isa {
+            CpuIsa::Scalar => 4,
+            _ => 8,
+        }
+    }
+    #[inline]
+    fn block<const TB: usize>(
+        isa: CpuIsa,
+        shape: DotShape,
+        m: &PackedMatrix,
+        rows: Range<usize>,
+        acts: &ActBlock<i8>,
+        out: &mut [f32],
+    ) {
+        match isa {
+            // SAFETY: `routed_forward` checked that `isa` is available on this CPU; AVX-512
+            // VNNI CPUs have AVX2 (their `vpdpbusd` variant is not written yet).
+            #[cfg(target_arch = "x86_64")]
+            CpuIsa::Avx2 | CpuIsa::Avx512Vnni => unsafe {
+                x86::block_a8_avx2::<TB>(shape, m, rows, acts, out)
+            },
+            _ => block_scalar::<_, TB>(shape, m, rows, acts, out),
+        }
     }
 }
 
-/// `out[r · acts.len() + i] = row_{rows.start + r} · acts[i]` for any number of activation
-/// rows, taken in blocks of [`token_block`].
-fn block_rows(
+/// `out[r · n + i] = row_{rows.start + r} · act_i` for the `n` activation rows of `blocks`.
+fn block_rows<T: ActInt>(
     isa: CpuIsa,
     shape: DotShape,
     m: &PackedMatrix,
     rows: Range<usize>,
-    acts: &[ActRow],
+    blocks: &[ActBlock<T>],
     out: &mut [f32],
 ) {
-    let (n_rows, n_acts, tbmax) = (rows.len(), acts.len(), token_block(isa));
-    let mut tmp = vec![0f32; n_rows * tbmax];
-    for (ci, a) in acts.chunks(tbmax).enumerate() {
-        let tb = a.len();
+    let n_rows = rows.len();
+    let n_acts: usize = blocks.iter().map(|b| b.tb).sum();
+    let mut tmp = vec![0f32; n_rows * blocks.first().map_or(0, |b| b.tb)];
+    let mut first = 0;
+    for a in blocks {
+        let tb = a.tb;
         let tmp = &mut tmp[..n_rows * tb];
         let r = rows.clone();
         match tb {
-            8 => block::<8>(isa, shape, m, r, a.try_into().unwrap(), tmp),
-            7 => block::<7>(isa, shape, m, r, a.try_into().unwrap(), tmp),
-            6 => block::<6>(isa, shape, m, r, a.try_into().unwrap(), tmp),
-            5 => block::<5>(isa, shape, m, r, a.try_into().unwrap(), tmp),
-            4 => block::<4>(isa, shape, m, r, a.try_into().unwrap(), tmp),
-            3 => block::<3>(isa, shape, m, r, a.try_into().unwrap(), tmp),
-            2 => block::<2>(isa, shape, m, r, a.try_into().unwrap(), tmp),
-            _ => block::<1>(isa, shape, m, r, a.try_into().unwrap(), tmp),
+            8 => T::block::<8>(isa, shape, m, r, a, tmp),
+            7 => T::block::<7>(isa, shape, m, r, a, tmp),
+            6 => T::block::<6>(isa, shape, m, r, a, tmp),
+            5 => T::block::<5>(isa, shape, m, r, a, tmp),
+            4 => T::block::<4>(isa, shape, m, r, a, tmp),
+            3 => T::block::<3>(isa, shape, m, r, a, tmp),
+            2 => T::block::<2>(isa, shape, m, r, a, tmp),
+            1 => T::block::<1>(isa, shape, m, r, a, tmp),
+            _ => unreachable!("token blocks hold 1 to 8 rows"),
         }
         for (r, vals) in tmp.chunks_exact(tb).enumerate() {
-            let start = r * n_acts + ci * tbmax;
+            let start = r * n_acts + first;
             out[start..start + tb].copy_from_slice(vals);
         }
+        first += tb;
     }
 }
 
@@ -520,11 +707,29 @@ pub fn routed_forward_into<'a>(
     out: &mut [f32],
 ) {
     assert!(isa.is_available(), "{isa:?} is not supported by this CPU");
-    let (h, inter, g) = (layout.hidden, layout.intermediate, layout.group_size.get());
-    let (tokens, k) = (plan.tokens, plan.top_k);
+    let (h, tokens, k) = (layout.hidden, plan.tokens, plan.top_k);
     assert_eq!(xs.len(), tokens * h);
     assert_eq!(out.len(), tokens * h);
     assert_eq!(weights.len(), tokens * k);
+    if tokens >= W4A8_MIN_TOKENS {
+        routed_forward_as::<i8>(isa, layout, slab_of, plan, xs, weights, out)
+    } else {
+        routed_forward_as::<i16>(isa, layout, slab_of, plan, xs, weights, out)
+    }
+}
+
+/// [`routed_forward_into`] with activations quantized to `T`.
+fn routed_forward_as<'a, T: ActInt>(
+    isa: CpuIsa,
+    layout: ExpertLayout,
+    slab_of: &(dyn Fn(usize) -> &'a [u8] + Sync),
+    plan: &RoutePlan,
+    xs: &[f32],
+    weights: &[f32],
+    out: &mut [f32],
+) {
+    let (h, inter, g) = (layout.hidden, layout.intermediate, layout.group_size.get());
+    let (tokens, k) = (plan.tokens, plan.top_k);
     let offsets = layout.offsets();
     let matrix = |e: usize, down: bool| {
         let slab = slab_of(e);
@@ -545,7 +750,17 @@ pub fn routed_forward_into<'a>(
     };
 
     // Stage 1: h[slot] = silu(gate · x) * (up · x), per (expert, block of intermediate rows).
-    let acts = QuantActs::new(xs, tokens, h, g);
+    let tb_max = T::token_block(isa);
+    let acts = QuantActs::<T>::new(xs, tokens, h, g);
+    let act_blocks: Vec<Vec<ActBlock<T>>> = plan
+        .groups
+        .par_iter()
+        .map(|(_, slots)| {
+            let rows: Vec<usize> = slots.iter().map(|&s| s / k).collect();
+            acts.blocks(&rows, tb_max)
+        })
+        .collect();
+    drop(acts);
     let shape_gu = DotShape::of(layout.gate_up());
     let blocks = inter.div_ceil(ROW_BLOCK);
     let tasks: Vec<(usize, usize)> = (0..plan.groups.len())
@@ -557,18 +772,12 @@ pub fn routed_forward_into<'a>(
             let (e, slots) = (&plan.groups[gi].0, &plan.groups[gi].1);
             let m = matrix(*e, false);
             let rows = b * ROW_BLOCK..((b + 1) * ROW_BLOCK).min(inter);
-            let a: Vec<ActRow> = slots.iter().map(|&s| acts.row(s / k)).collect();
+            let a = &act_blocks[gi];
             let mut gate = vec![0f32; rows.len() * slots.len()];
             let mut up = vec![0f32; rows.len() * slots.len()];
-            block_rows(isa, shape_gu, &m, rows.clone(), &a, &mut gate);
-            block_rows(
-                isa,
-                shape_gu,
-                &m,
-                inter + rows.start..inter + rows.end,
-                &a,
-                &mut up,
-            );
+            block_rows(isa, shape_gu, &m, rows.clone(), a, &mut gate);
+            let up_rows = inter + rows.start..inter + rows.end;
+            block_rows(isa, shape_gu, &m, up_rows, a, &mut up);
             for (g, u) in gate.iter_mut().zip(&up) {
                 *g = silu(*g) * u;
             }
@@ -584,11 +793,17 @@ pub fn routed_forward_into<'a>(
             }
         }
     }
-    drop(parts);
+    drop((parts, act_blocks));
 
     // Stage 2: out[t] += w[slot] * (down · h[slot]), per block of hidden rows, experts ascending.
-    let hq = QuantActs::new(&hidden, tokens * k, inter, g);
+    let hq = QuantActs::<T>::new(&hidden, tokens * k, inter, g);
     drop(hidden);
+    let hidden_blocks: Vec<Vec<ActBlock<T>>> = plan
+        .groups
+        .par_iter()
+        .map(|(_, slots)| hq.blocks(slots, tb_max))
+        .collect();
+    drop(hq);
     let shape_dn = DotShape::of(layout.down());
     let blocks = h.div_ceil(ROW_BLOCK);
     let parts: Vec<Vec<f32>> = (0..blocks)
@@ -601,11 +816,10 @@ pub fn routed_forward_into<'a>(
                 l.copy_from_slice(&out[t * h + rows.start..t * h + rows.end]);
             }
             let mut y = Vec::new();
-            for (e, slots) in &plan.groups {
+            for ((e, slots), a) in plan.groups.iter().zip(&hidden_blocks) {
                 let m = matrix(*e, true);
-                let a: Vec<ActRow> = slots.iter().map(|&s| hq.row(s)).collect();
                 y.resize(width * slots.len(), 0f32);
-                block_rows(isa, shape_dn, &m, rows.clone(), &a, &mut y);
+                block_rows(isa, shape_dn, &m, rows.clone(), a, &mut y);
                 for (r, ys) in y.chunks_exact(slots.len()).enumerate() {
                     for (&slot, &v) in slots.iter().zip(ys) {
                         local[(slot / k) * width + r] += weights[slot] * v;
