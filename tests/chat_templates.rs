@@ -7,7 +7,9 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use candle::{DType, Device};
 use candle_qmoe_suite::chat::{ChatArgs, ChatError, ChatTemplate, Message, Variables};
+use candle_qmoe_suite::model::ModelArgs;
 use candle_qmoe_suite::testing::fixture_dir;
 use clap::Parser;
 use serde::Deserialize;
@@ -139,6 +141,8 @@ fn stop_tokens_are_eos_and_end_of_turn() {
 struct Cli {
     #[command(flatten)]
     chat: ChatArgs,
+    #[command(flatten)]
+    model: ModelArgs,
 }
 
 #[test]
@@ -282,4 +286,27 @@ fn variables_override_special_tokens_and_nothing_is_escaped() {
     let mut vars = Variables::new();
     vars.insert("bos_token".into(), "[BOS]".into());
     assert!(t.render(&msg, false, &vars).unwrap().starts_with("[BOS]|"));
+}
+
+#[test]
+fn synthetic_models_prompt_as_before() {
+    let cli = Cli::parse_from(["test", "--synthetic", "tiny", "--cpu"]);
+    let mut loaded = cli.model.load(DType::F32, &Device::Cpu).unwrap();
+    let chat = loaded.chat(&cli.chat).unwrap().unwrap();
+    assert_eq!(chat.template.origin(), "built-in olmoe");
+    // The prompt the hand-written Tulu template of earlier versions produced.
+    let before = "<|endoftext|><|user|>\nHello\n<|assistant|>\n";
+    assert_eq!(chat.prompt("Hello").unwrap(), before);
+    let ids = loaded.encode("Hello", Some(&chat)).unwrap();
+    let plain = loaded.tokenizer.encode(before, false).unwrap();
+    assert_eq!(ids, plain.get_ids());
+    let endoftext = loaded.tokenizer.token_to_id("<|endoftext|>").unwrap();
+    assert!(loaded.stop_ids(Some(chat.template)).contains(&endoftext));
+
+    let raw = Cli::parse_from(["test", "--synthetic", "tiny", "--no-chat"]);
+    assert!(loaded.chat(&raw.chat).unwrap().is_none());
+    loaded.chat_template = None;
+    let forced = Cli::parse_from(["test", "--synthetic", "tiny", "--chat"]);
+    let err = loaded.chat(&forced.chat).unwrap_err().to_string();
+    assert!(err.contains("no chat template"), "{err}");
 }
