@@ -151,7 +151,7 @@ fn run_one(
         "group_size": loaded.group_size,
         "resident_per_layer": resident_per_layer,
         "residency": residency,
-        "chat_template": campaign.template.map(lower),
+        "chat_template": campaign.template,
         "suppressed_token_ids": campaign.suppressed,
         "load_time_s": load_s,
         "identical_across_blocks_all": metrics.all_identical(),

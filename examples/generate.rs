@@ -24,6 +24,7 @@ use anyhow::{bail, Context, Result};
 use candle::{DType, Device};
 use candle_qmoe::generation::{generate, Generation};
 use candle_qmoe::pack::GroupSize;
+use candle_qmoe_suite::chat::ChatArgs;
 use candle_qmoe_suite::model::{Loaded, ModelArgs};
 use candle_transformers::generation::LogitsProcessor;
 use clap::Parser;
@@ -58,12 +59,8 @@ struct Args {
     /// Context size the repeat penalty looks back over.
     #[arg(long, default_value_t = 64)]
     repeat_last_n: usize,
-    /// Send the prompt as raw text, without the chat template of Instruct/Chat models.
-    #[arg(long, conflicts_with = "chat")]
-    no_chat: bool,
-    /// Apply the family's chat template even when the model id does not say Instruct/Chat.
-    #[arg(long)]
-    chat: bool,
+    #[command(flatten)]
+    chat: ChatArgs,
     /// Write the stats and the generated token ids to this JSON file.
     #[arg(long)]
     stats_json: Option<PathBuf>,
@@ -111,8 +108,12 @@ fn main() -> Result<()> {
         load_time.as_secs_f64()
     );
 
-    let template = loaded.template(args.no_chat, args.chat);
-    let prompt = loaded.encode(&args.prompt, template)?;
+    let chat = loaded.chat(&args.chat)?;
+    if let Some(chat) = &chat {
+        println!("chat template: {}", chat.template.origin());
+    }
+    let prompt = loaded.encode(&args.prompt, chat.as_ref())?;
+    let eos = loaded.stop_ids(chat.map(|c| c.template));
     let context = loaded.context();
     if prompt.len() >= context {
         bail!(
@@ -125,7 +126,6 @@ fn main() -> Result<()> {
     if max_new < args.sample_len {
         eprintln!("note: the context holds only {max_new} more tokens after the prompt");
     }
-    let eos = loaded.stop_ids(template);
 
     println!("{}", args.prompt);
     let mut logits_processor = LogitsProcessor::new(args.seed, args.temperature, args.top_p);

@@ -4,6 +4,7 @@
 //!
 //! * [`checkpoint`] — a local Hugging Face folder or a hub download, and quantizing its experts.
 //! * [`tokenizer`] — the checkpoint's tokenizer or the bundled offline ones.
+//! * [`chat`] — the checkpoint's chat template rendered with minijinja, or a built-in one.
 //! * [`model`] — the model flags shared by the examples ([`model::ModelArgs`]) and loading.
 //! * [`perf`] — the benchmark contract: prompt set, campaign, decode-rate metrics, sweep plot.
 //! * [`calibration`] — one measured run of the memory plan on the CPU.
@@ -13,6 +14,7 @@
 #![warn(missing_docs)]
 
 pub mod calibration;
+pub mod chat;
 pub mod checkpoint;
 pub mod model;
 pub mod perf;

@@ -1,5 +1,6 @@
 //! Building a model from the command line, shared by `generate` and `bench`: the model flags
-//! ([`ModelArgs`]), checkpoint or synthetic loading, expert packs, residency, chat templates.
+//! ([`ModelArgs`]), checkpoint or synthetic loading, expert packs, residency, the chat template
+//! to apply.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -19,6 +20,8 @@ use candle_qmoe::synthetic::{SyntheticKind, SyntheticModel};
 use clap::ValueEnum;
 use serde_json::json;
 use tokenizers::Tokenizer;
+
+use crate::chat::{Chat, ChatArgs, ChatTemplate};
 
 /// `--experts`: how the routed experts are stored and computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -324,45 +327,6 @@ pub fn residency_line(s: &ResidencyStats, capacities: &[usize]) -> String {
     )
 }
 
-/// The chat templates of the supported Instruct/Chat models.
-#[derive(Clone, Copy, Debug)]
-pub enum Template {
-    /// OLMoE-Instruct (tulu): `<|endoftext|><|user|>\n{prompt}\n<|assistant|>\n`.
-    Tulu,
-    /// Qwen1.5-Chat (ChatML with the default system prompt).
-    ChatMl,
-}
-
-impl Template {
-    /// The template of a model family (`model_type`).
-    pub fn for_family(model_type: &str) -> Option<Self> {
-        match model_type {
-            "olmoe" => Some(Self::Tulu),
-            "qwen2_moe" => Some(Self::ChatMl),
-            _ => None,
-        }
-    }
-
-    /// The prompt wrapped in the template.
-    pub fn apply(self, prompt: &str) -> String {
-        match self {
-            Self::Tulu => format!("<|endoftext|><|user|>\n{prompt}\n<|assistant|>\n"),
-            Self::ChatMl => format!(
-                "<|im_start|>system\nYou are a helpful assistant<|im_end|>\n\
-                 <|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
-            ),
-        }
-    }
-
-    /// Tokens that end an answer, besides the config's `eos_token_id`.
-    pub fn stop_tokens(self) -> &'static [&'static str] {
-        match self {
-            Self::Tulu => &["<|endoftext|>"],
-            Self::ChatMl => &["<|im_end|>", "<|endoftext|>"],
-        }
-    }
-}
-
 /// Everything `main` needs once the model is built.
 pub struct Loaded {
     /// The model.
@@ -375,6 +339,8 @@ pub struct Loaded {
     pub revision: String,
     /// Instruct/Chat model (or synthetic): use the chat template unless `--no-chat`.
     pub instruct: bool,
+    /// The checkpoint's chat template, or the family's built-in one when it ships none.
+    pub chat_template: Option<ChatTemplate>,
     /// `eos_token_id`s from config.json and generation_config.json.
     pub eos: Vec<u32>,
     /// Group size of the INT4 experts.
@@ -386,30 +352,57 @@ pub struct Loaded {
 }
 
 impl Loaded {
-    /// The chat template to apply: the family's for Instruct/Chat (and synthetic) models or when
-    /// `force`d, none when `raw`.
-    pub fn template(&self, raw: bool, force: bool) -> Option<Template> {
-        Template::for_family(&self.model.spec().model_type)
-            .filter(|_| !raw && (force || self.instruct))
+    /// How prompts become chat turns under `args`: none with `--no-chat`; the model's template
+    /// for Instruct/Chat (and synthetic) models or with `--chat` (refused when it has none),
+    /// with `args`' variables.
+    pub fn chat(&self, args: &ChatArgs) -> Result<Option<Chat<'_>>> {
+        if args.no_chat || !(args.chat || self.instruct) {
+            return Ok(None);
+        }
+        let Some(template) = &self.chat_template else {
+            if args.chat {
+                bail!(
+                    "--chat: {} has no chat template (no `chat_template` in its \
+                     tokenizer_config.json, and no built-in one for `{}`)",
+                    self.model_id,
+                    self.model.spec().model_type
+                );
+            }
+            return Ok(None);
+        };
+        if args.no_think && !template.mentions("enable_thinking") {
+            eprintln!(
+                "note: --no-think has no effect: the chat template of {} does not read \
+                 `enable_thinking`",
+                template.origin()
+            );
+        }
+        Ok(Some(Chat {
+            template,
+            variables: args.variables(),
+        }))
     }
 
-    /// `prompt` wrapped in `template` and tokenized (the tokenizer's special tokens are added
-    /// only without a template, which brings its own).
-    pub fn encode(&self, prompt: &str, template: Option<Template>) -> Result<Vec<u32>> {
-        let text = template.map_or_else(|| prompt.to_string(), |t| t.apply(prompt));
+    /// `prompt` as one user turn of `chat` and tokenized (the tokenizer's special tokens are
+    /// added only without a template, which brings its own).
+    pub fn encode(&self, prompt: &str, chat: Option<&Chat>) -> Result<Vec<u32>> {
+        let text = match chat {
+            Some(chat) => chat.prompt(prompt)?,
+            None => prompt.to_string(),
+        };
         Ok(self
             .tokenizer
-            .encode(text.as_str(), template.is_none())
+            .encode(text.as_str(), chat.is_none())
             .map_err(anyhow::Error::msg)?
             .get_ids()
             .to_vec())
     }
 
-    /// The ids that end an answer: the configs' `eos_token_id`s and `template`'s stop tokens,
-    /// sorted and deduplicated.
-    pub fn stop_ids(&self, template: Option<Template>) -> Vec<u32> {
+    /// The ids that end an answer: the configs' `eos_token_id`s and `template`'s stop tokens
+    /// (its `eos_token` and end-of-turn markers), sorted and deduplicated.
+    pub fn stop_ids(&self, template: Option<&ChatTemplate>) -> Vec<u32> {
         let mut ids = self.eos.clone();
-        for tok in template.map_or(&[][..], |t| t.stop_tokens()) {
+        for tok in template.map(ChatTemplate::stop_tokens).unwrap_or_default() {
             ids.extend(self.tokenizer.token_to_id(tok));
         }
         ids.sort_unstable();
@@ -491,6 +484,7 @@ fn load_synthetic(
         model_id: format!("synthetic:{kind}"),
         revision: format!("seed {}", args.synthetic_seed),
         instruct: true,
+        chat_template: ChatTemplate::builtin(model_type),
         eos: eos_ids(&kind.config_json()),
         group_size: (args.experts == Experts::Int4).then_some(group.get()),
         residency: experts.residency().cloned(),
@@ -585,10 +579,13 @@ fn load_checkpoint(
         &read_json(&ckpt.dir.join("generation_config.json")).unwrap_or_default(),
     ));
     let name = ckpt.model_id.to_lowercase();
+    let chat_template = ChatTemplate::from_checkpoint(&ckpt.dir)?
+        .or_else(|| ChatTemplate::builtin(config.model_type()));
     Ok(Loaded {
         model,
         tokenizer: crate::tokenizer::load_tokenizer(&ckpt.dir, config.model_type())?,
         instruct: name.contains("instruct") || name.contains("chat"),
+        chat_template,
         model_id: ckpt.model_id,
         revision: ckpt.revision,
         eos,

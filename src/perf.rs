@@ -16,7 +16,8 @@ use candle_qmoe::models::MoeForCausalLm;
 use candle_qmoe::residency::ResidencyStats;
 use serde::Serialize;
 
-use crate::model::{Loaded, Template};
+use crate::chat::ChatArgs;
+use crate::model::Loaded;
 
 /// The fixed prompt set: varied English chat requests.
 pub const PROMPTS: [&str; 12] = [
@@ -258,8 +259,8 @@ pub struct Campaign {
     pub responses: Vec<Response>,
     /// Expert-cache counters of the measured responses only (warm-up excluded).
     pub residency: Option<ResidencyStats>,
-    /// The chat template the prompts went through, if any.
-    pub template: Option<Template>,
+    /// Where the chat template the prompts went through came from, if any.
+    pub template: Option<String>,
     /// Token ids that were never sampled (end-of-sequence and template stop tokens).
     pub suppressed: Vec<u32>,
 }
@@ -274,9 +275,10 @@ pub fn run_campaign(
 ) -> Result<Campaign> {
     contract.check()?;
     let spec = loaded.model.spec().clone();
-    let template = loaded.template(false, false);
-    // End-of-sequence and the family's stop tokens are never sampled, template or not.
-    let suppressed = loaded.stop_ids(Template::for_family(&spec.model_type));
+    let chat = loaded.chat(&ChatArgs::default())?;
+    let template = chat.as_ref().map(|c| c.template.origin().to_string());
+    // End-of-sequence and the template's stop tokens are never sampled, template or not.
+    let suppressed = loaded.stop_ids(loaded.chat_template.as_ref());
     let mask = Tensor::from_vec(
         suppression_mask(spec.vocab_size, &suppressed),
         spec.vocab_size,
@@ -289,7 +291,7 @@ pub fn run_campaign(
     };
     let context = loaded.context();
     let encode = |prompt: &str, new_tokens: usize| -> Result<Vec<u32>> {
-        let mut ids = loaded.encode(prompt, template)?;
+        let mut ids = loaded.encode(prompt, chat.as_ref())?;
         if let Some(n) = contract.prompt_tokens {
             ids = fit_prompt(&ids, n);
         }
