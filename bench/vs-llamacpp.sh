@@ -26,8 +26,10 @@
 # cores), PROMPT (128), GEN (64), REPS (5), PACK (our pack; default cached), OUT, MAX_LOAD (0.5),
 # WAIT_IDLE (seconds to wait for the load to fall below MAX_LOAD, 300), LLAMA_BUILD_NUMBER (for
 # another version), REQUANTIZE=1 (quantize again, so that the recorded quantization times and
-# peak RSS come from this run, on this machine), SMOKE=1 (prove the pipeline: -p 16 -n 8 -r 1, no idle check, JSON under
-# $LLAMA_DIR/runs).
+# peak RSS come from this run, on this machine), SMOKE=1 (prove the pipeline: -p 16 -n 8 -r 1,
+# no idle check, JSON under $LLAMA_DIR/runs), DEPTH=N (decode after N tokens of context instead:
+# llama-bench -p 0 -d N, our bench --prompt-tokens N; decode rates only; default OUT
+# bench/results/vs-llamacpp-cpu-depthN.json), FORMATS (llama.cpp formats, default "Q4_0 Q4_K_M").
 set -euo pipefail
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2; }
@@ -47,6 +49,7 @@ else
   prompt=${PROMPT:-128} gen=${GEN:-64} reps=${REPS:-5}
 fi
 max_load=${MAX_LOAD:-0.5}
+depth=${DEPTH:-0}
 name=$(basename "$model_dir")
 models=$llama_dir/models/$name
 src=$llama_dir/src/llama_cpp_python-$version/vendor/llama.cpp
@@ -131,7 +134,7 @@ if [[ ! -s $bf16 || $model_dir/config.json -nt $bf16 ]]; then
     { tail -20 "$models/convert-bf16.log" >&2; exit 1; }
   mv "$bf16.part" "$bf16"
 fi
-formats=(Q4_0 Q4_K_M)
+read -r -a formats <<<"${FORMATS:-Q4_0 Q4_K_M}"
 for fmt in "${formats[@]}"; do
   out=$models/$name-$fmt.gguf
   if [[ ! -s $out || $bf16 -nt $out || ${REQUANTIZE:-0} == 1 ]]; then
@@ -175,11 +178,15 @@ export RAYON_NUM_THREADS=$threads
 "$target/release/examples/mem_bandwidth" >"$run_dir/machine.json"
 
 report=(--model-dir "$model_dir" --machine "$run_dir/machine.json" --cores "$(nproc)"
-  --threads "$threads" --prompt "$prompt" --gen "$gen" --repetitions "$reps"
+  --threads "$threads" --prompt "$prompt" --gen "$gen" --repetitions "$reps" --depth "$depth"
   --convert bf16 "$models/convert-bf16.time")
 for fmt in "${formats[@]}"; do
   gguf=$models/$name-$fmt.gguf
   cmd=("$build/bin/llama-bench" -m "$gguf" -t "$threads" -p "$prompt" -n "$gen" -r "$reps" -o json)
+  if ((depth > 0)); then
+    cmd=("$build/bin/llama-bench" -m "$gguf" -t "$threads" -p 0 -n "$gen" -d "$depth" -r "$reps"
+      -o json)
+  fi
   log "${cmd[*]}"
   load=$(load1)
   /usr/bin/time -v -o "$run_dir/llama-$fmt.time" "${cmd[@]}" >"$run_dir/llama-$fmt.json" \
@@ -192,7 +199,7 @@ i=0
 for variant in "" "${variants[@]}"; do
   read -r -a extra <<<"$variant"
   cmd=("$target/release/examples/bench" --model-dir "$model_dir" --cpu --prompts "$reps" --blocks 1
-    -n "$gen" --warmup "$((gen < 16 ? gen : 16))" --prompt-tokens "$prompt"
+    -n "$gen" --warmup "$((gen < 16 ? gen : 16))" --prompt-tokens "$((depth > 0 ? depth : prompt))"
     --json "$run_dir/ours-$i.json")
   run_pack=-
   if [[ " $variant " != *" --pack "* && " $variant " != *" --experts "* ]]; then
@@ -215,9 +222,10 @@ done
 
 # --- 4. the evidence file -------------------------------------------------------------------
 if [[ $smoke == 1 ]]; then default_out=$run_dir/vs-llamacpp-cpu.json
+elif ((depth > 0)); then default_out=$repo/bench/results/vs-llamacpp-cpu-depth$depth.json
 else default_out=$repo/bench/results/vs-llamacpp-cpu.json; fi
 "$venv/bin/python" "$repo/bench/vs_llamacpp_report.py" "${report[@]}" --out "${OUT:-$default_out}" \
-  --command "THREADS=$threads PROMPT=$prompt GEN=$gen REPS=$reps bench/vs-llamacpp.sh$(printf ' %q' "$model_dir" "${variants[@]}")" \
+  --command "THREADS=$threads PROMPT=$prompt GEN=$gen REPS=$reps DEPTH=$depth FORMATS='${formats[*]}' bench/vs-llamacpp.sh$(printf ' %q' "$model_dir" "${variants[@]}")" \
   --llama-cpp source "llama-cpp-python $version sdist from PyPI, its vendor/llama.cpp" \
   --llama-cpp llama_cpp_python_version "$version" \
   --llama-cpp llama_cpp_commit "$llama_commit" \

@@ -148,12 +148,15 @@ def ours_bytes_per_token(model_dir: Path, pack: Path | None, run: dict) -> dict:
             "top_k": top_k, "compute_dtype": backend.get("dtype"), "expert_storage": expert_kind}
 
 
-def llama_rates(records: list[dict], prompt: int, gen: int) -> dict:
-    """Prompt and decode rates of one llama-bench JSON (its pp and tg tests)."""
-    pp = next(r for r in records if r["n_prompt"] == prompt and r["n_gen"] == 0)
-    tg = next(r for r in records if r["n_gen"] == gen and r["n_prompt"] == 0)
+def llama_rates(records: list[dict], prompt: int, gen: int, depth: int) -> dict:
+    """Prompt and decode rates of one llama-bench JSON (its pp and tg tests at `depth`); no
+    prompt rate at a depth (only tg runs there)."""
+    at = [r for r in records if r.get("n_depth", 0) == depth]
+    pp = next((r for r in at if r["n_prompt"] == prompt and r["n_gen"] == 0), None)
+    tg = next(r for r in at if r["n_gen"] == gen and r["n_prompt"] == 0)
     return {
-        "prompt_tokens_per_s": pp["avg_ts"], "prompt_tokens_per_s_stddev": pp["stddev_ts"],
+        "prompt_tokens_per_s": pp and pp["avg_ts"],
+        "prompt_tokens_per_s_stddev": pp and pp["stddev_ts"],
         "decode_tokens_per_s": tg["avg_ts"], "decode_tokens_per_s_stddev": tg["stddev_ts"],
         "decode_samples_tokens_per_s": tg.get("samples_ts"),
         "build_commit": tg.get("build_commit"), "build_number": tg.get("build_number"),
@@ -180,6 +183,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, required=True, help="prompt tokens")
     p.add_argument("--gen", type=int, required=True, help="generated tokens")
     p.add_argument("--repetitions", type=int, required=True)
+    p.add_argument("--depth", type=int, default=0,
+                   help="tokens of context before decoding (0: prompt + decode from empty)")
     p.add_argument("--llama", nargs=6, action="append", default=[],
                    metavar=("FORMAT", "GGUF", "BENCH_JSON", "TIME_LOG", "LOADAVG", "COMMAND"))
     p.add_argument("--ours", nargs=6, action="append", default=[],
@@ -198,7 +203,7 @@ def main() -> None:
     systems = []
     for fmt, path, bench, log, load, command in a.llama:
         counted = gguf_bytes_per_token(Path(path))
-        rates = llama_rates(json.loads(Path(bench).read_text()), a.prompt, a.gen)
+        rates = llama_rates(json.loads(Path(bench).read_text()), a.prompt, a.gen, a.depth)
         timing = time_v(Path(log))
         systems.append({
             "system": "llama.cpp", "format": fmt, "file": path,
@@ -216,7 +221,9 @@ def main() -> None:
         systems.append({
             "system": "candle-qmoe", "format": label, "file": pack if pack != "-" else None,
             "command": command, "load_average_1m_before": float(load),
-            "prompt_tokens_per_s": run.get("prefill_tokens_per_s"),
+            # At a depth our prompt rate is the prefill of the whole context: not comparable.
+            "prompt_tokens_per_s": None if a.depth else run.get("prefill_tokens_per_s"),
+            "context_prefill_tokens_per_s": run.get("prefill_tokens_per_s") if a.depth else None,
             "decode_tokens_per_s": run.get("decode_tokens_per_s"),
             "decode_block_spread": run.get("block_spread"),
             "backend": run.get("backend"), "group_size": run.get("group_size"),
@@ -271,7 +278,7 @@ def main() -> None:
         },
         "workload": {
             "prompt_tokens": a.prompt, "generated_tokens": a.gen, "threads": a.threads,
-            "repetitions": a.repetitions,
+            "repetitions": a.repetitions, "depth": a.depth,
         },
         "llama_cpp": dict(a.llama_cpp),
         "convert": convert,
@@ -291,6 +298,9 @@ def main() -> None:
             "prompt rate = prompt tokens / time to first token; decode rate over the tokens "
             "after the first; peak RSS of the whole process (/usr/bin/time -v), the in-process "
             "figure after its own reset next to it",
+            "depth > 0: both decode after depth tokens of context (llama-bench -p 0 -d depth; "
+            "our bench --prompt-tokens depth), so the KV cache read per token grows with it (ours "
+            "F32, llama.cpp's F16 by default: settings.type_k/type_v); no prompt rates compared",
             "llama.cpp repacks Q4_0 and Q4_K weights for the CPU's SIMD at load (settings.repack): "
             "its peak RSS holds the file's mmapped pages plus the repacked copy, and decoding "
             "reads the repacked copy (the same number of bytes)",
