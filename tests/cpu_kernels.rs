@@ -3,7 +3,7 @@
 //! fused attention over the in-place KV cache at short and 4096-token contexts.
 
 use candle::{DType, Device, Module, Tensor};
-use candle_qmoe::kernels::attention::{attend, KvCache};
+use candle_qmoe::kernels::attention::{attend, KvCache, KvDtype};
 use candle_qmoe::kernels::cpu::CpuIsa;
 use candle_qmoe::kernels::dense::{bf16_matmul, int8_matmul, Int8Matrix, INT8_GROUP};
 use candle_qmoe::DenseLinear;
@@ -238,16 +238,32 @@ fn attention_f64(
     out
 }
 
-/// Fills a cache chunk by chunk (a prefill, then decode steps, crossing the growth
-/// boundaries) and checks the attention of the chunks after the first `silent` ones (which
-/// are only appended, as a long prompt before the measured steps) against the f64 reference.
-fn attention_case(chunks: &[usize], silent: usize, heads: usize, kv_heads: usize, d: usize) {
+/// Fills a cache stored as `dtype` chunk by chunk (a prefill, then decode steps, crossing the
+/// growth boundaries) and checks the attention of the chunks after the first `silent` ones
+/// (which are only appended, as a long prompt before the measured steps) against the f64
+/// reference over the stored keys and values (rounded to BF16 for a BF16 cache: the rounding
+/// is the cache's storage, not the kernel's arithmetic).
+fn attention_case(
+    dtype: KvDtype,
+    chunks: &[usize],
+    silent: usize,
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+) {
     let mut rng = Rng::new((chunks.len() * 1000 + heads * 10 + d) as u64);
     let total: usize = chunks.iter().sum();
     // Keys of unit-ish scale: scores of a few units, as after q/k norms.
     let k_all = rng.normals(total * kv_heads * d, 1.0);
     let v_all = rng.normals(total * kv_heads * d, 1.0);
-    let mut cache = KvCache::new(1, kv_heads, d);
+    let stored = |x: &[f32]| -> Vec<f32> {
+        match dtype {
+            KvDtype::F32 => x.to_vec(),
+            KvDtype::Bf16 => x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect(),
+        }
+    };
+    let (k_ref, v_ref) = (stored(&k_all), stored(&v_all));
+    let mut cache = KvCache::new(1, kv_heads, d, dtype);
     let mut len = 0;
     for (i, &s) in chunks.iter().enumerate() {
         let (a, b) = (len * kv_heads * d, (len + s) * kv_heads * d);
@@ -258,7 +274,7 @@ fn attention_case(chunks: &[usize], silent: usize, heads: usize, kv_heads: usize
         }
         let q = rng.normals(s * heads * d, 1.0);
         let got = attend(&q, &cache, s, heads, 1.0 / (d as f32).sqrt());
-        let want = attention_f64(&q, &k_all[..b], &v_all[..b], s, len, heads, kv_heads, d);
+        let want = attention_f64(&q, &k_ref[..b], &v_ref[..b], s, len, heads, kv_heads, d);
         // Scores carry F32 dot-product rounding (~d · 2⁻²⁴ · Σ|q·k| ≈ 1e-5 absolute), which
         // moves each softmax weight by that relative amount; outputs are convex combinations
         // of values of size ~1, so 1e-4 absolute is a safe bound.
@@ -267,10 +283,16 @@ fn attention_case(chunks: &[usize], silent: usize, heads: usize, kv_heads: usize
             .zip(&want)
             .map(|(&g, &w)| (g as f64 - w).abs())
             .fold(0f64, f64::max);
-        assert!(err < 1e-4, "s {s} at length {len}: max error {err:e}");
+        assert!(
+            err < 1e-4,
+            "{dtype:?} s {s} at length {len}: max error {err:e}"
+        );
     }
     assert_eq!(cache.len(), total);
     assert!(cache.capacity() >= total && cache.capacity() < total + total / 2 + 512);
+    let per_position = 2 * kv_heads * d * dtype.size_in_bytes();
+    assert_eq!(cache.bytes_per_position(), per_position);
+    assert_eq!(cache.allocated_bytes(), cache.capacity() * per_position);
 }
 
 fn main() {
@@ -292,11 +314,13 @@ fn main() {
     all.push(Trial::test(
         "attention_matches_f64_at_short_context_with_gqa",
         || {
-            // A prefill, decode steps, a second prefill chunk; 8 heads over 2 kv heads.
-            attention_case(&[7, 1, 1, 1, 3, 1], 0, 8, 2, 64);
-            attention_case(&[1, 1, 1], 0, 4, 4, 128);
-            // A 300-token prefill crosses the first growth step (256 positions).
-            attention_case(&[300, 1], 0, 2, 1, 32);
+            for dtype in [KvDtype::F32, KvDtype::Bf16] {
+                // A prefill, decode steps, a second prefill chunk; 8 heads over 2 kv heads.
+                attention_case(dtype, &[7, 1, 1, 1, 3, 1], 0, 8, 2, 64);
+                attention_case(dtype, &[1, 1, 1], 0, 4, 4, 128);
+                // A 300-token prefill crosses the first growth step (256 positions).
+                attention_case(dtype, &[300, 1], 0, 2, 1, 32);
+            }
             Ok(())
         },
     ));
@@ -305,7 +329,9 @@ fn main() {
         let mut chunks = vec![4000];
         chunks.extend(std::iter::repeat_n(1, 6));
         chunks.push(90);
-        attention_case(&chunks, 1, 8, 2, 64);
+        for dtype in [KvDtype::F32, KvDtype::Bf16] {
+            attention_case(dtype, &chunks, 1, 8, 2, 64);
+        }
         Ok(())
     }));
     libtest_mimic::run(&args, all).exit();

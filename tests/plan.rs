@@ -223,10 +223,11 @@ fn qwen2moe_tiny_components_by_hand_on_cpu() {
     // On the CPU the pack is host memory too; fully resident experts are read from it in place.
     assert_eq!(bytes(&plan, Component::PackSource), x(16 * slab));
     assert_eq!(bytes(&plan, Component::ExpertCache), x(0));
-    // ctx defaults to max_position_embeddings = 512; batch 2; F32, the activations' dtype.
+    // ctx defaults to max_position_embeddings = 512; batch 2; BF16, the weights' dtype (the fused
+    // CPU kernel stores keys and values so; F32 weights keep them in F32).
     assert_eq!(
         bytes(&plan, Component::KvCache),
-        x(2 * 2 * 4 * 64 * 512 * 2 * 4)
+        x(2 * 2 * 4 * 64 * 512 * 2 * 2)
     );
     assert_eq!(
         bytes(&plan, Component::Staging),
@@ -234,12 +235,12 @@ fn qwen2moe_tiny_components_by_hand_on_cpu() {
         "no staging at full residency"
     );
     // 2 × 128 tokens in F32 activations: residual 2..4 × 256·256·4; attention q,k,v
-    // 256·12·64·4 = 786432 (×2 at most), the KV cache of a layer while it grows
-    // 2·2·4·64·512·4 = 2097152, fused scores: a row per sequence and head, 2·4·512 = 4096
+    // 256·12·64·4 = 786432 (×2 at most), the BF16 KV cache of a layer while it grows
+    // 2·2·4·64·512·2 = 1048576, fused scores: a row per sequence and head, 2·4·512 = 4096
     // elements × 8..20 bytes; no mask (the fused kernel implies it).
     let attention = r(
-        786_432 + 2_097_152 + 4096 * 8,
-        2 * 786_432 + 2_097_152 + 4096 * 20,
+        786_432 + 1_048_576 + 4096 * 8,
+        2 * 786_432 + 1_048_576 + 4096 * 20,
     );
     // The MoE stage: router 256·8·(4+8) = 24576; routed experts 1024 (token, expert) pairs ×
     // 192·4 + 262144 = 1048576 at least, 1024·(192+256)·4 + 256·256·4 = 2097152 at most; shared
@@ -248,11 +249,11 @@ fn qwen2moe_tiny_components_by_hand_on_cpu() {
         24_576 + 1_048_576 + 3 * 393_216,
         24_576 + 2_097_152 + 4 * 393_216 + 262_144,
     );
-    // Each end is the largest stage's: attention at least, the MoE block at most.
-    assert!(attention.min > moe.min && moe.max > attention.max);
+    // Each end is the largest stage's: the MoE block's at both ends here.
+    assert!(moe.min > attention.min && moe.max > attention.max);
     assert_eq!(
         bytes(&plan, Component::Workspace),
-        r(524_288 + attention.min, 1_048_576 + moe.max)
+        r(524_288 + moe.min, 1_048_576 + moe.max)
     );
     assert_eq!(
         bytes(&plan, Component::RuntimeOverhead),

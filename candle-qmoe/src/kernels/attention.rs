@@ -2,12 +2,15 @@
 //! repeated key/value heads for GQA, and one fused pass per (sequence, head, query) — scores,
 //! softmax in F32, weighted sum of the values — with the causal mask implied by positions.
 //!
-//! Keys and values are kept in F32 as `[batch, kv_heads, capacity, head_dim]`, so that one head's
-//! keys are contiguous; query head `h` reads kv head `h / (heads / kv_heads)` as
+//! Keys and values are kept as `[batch, kv_heads, capacity, head_dim]`, so that one head's keys
+//! are contiguous, in F32 or in BF16 ([`KvDtype`]: the checkpoint's precision, as transformers
+//! keeps them for a BF16 model, and half the bytes to read per decoded token; widened exactly to
+//! F32 as they are read); query head `h` reads kv head `h / (heads / kv_heads)` as
 //! `repeat_interleave` would. The capacity grows in chunks of at least [`KV_CHUNK`] positions
 //! (and by half again when it grows), so a long generation copies the cache a few times in all
 //! instead of once per token.
 
+use half::bf16;
 use rayon::prelude::*;
 
 /// The smallest growth of the cache, in positions.
@@ -16,30 +19,101 @@ pub const KV_CHUNK: usize = 256;
 /// Query rows per rayon task during prefill.
 const QUERY_BLOCK: usize = 16;
 
+/// How a [`KvCache`] stores keys and values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvDtype {
+    /// F32: exactly the activations (the F32 reference path).
+    F32,
+    /// BF16: keys and values rounded to nearest-even once, when appended.
+    Bf16,
+}
+
+impl KvDtype {
+    /// Bytes per stored value.
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::Bf16 => 2,
+        }
+    }
+}
+
+/// A stored key or value: converted from F32 once when appended, widened to F32 when read.
+trait KvElem: Copy + Default + Send + Sync {
+    fn from_f32(x: f32) -> Self;
+    fn to_f32(self) -> f32;
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl KvElem for bf16 {
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    /// Exact widening (a shift), written out so that it vectorises.
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+}
+
+/// Keys or values in their storage type.
+#[derive(Clone, Debug)]
+enum KvBuf {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+}
+
+impl KvBuf {
+    fn new(dtype: KvDtype) -> Self {
+        match dtype {
+            KvDtype::F32 => Self::F32(Vec::new()),
+            KvDtype::Bf16 => Self::Bf16(Vec::new()),
+        }
+    }
+}
+
 /// The keys and values of one attention layer, on the CPU.
 #[derive(Clone, Debug)]
 pub struct KvCache {
     batch: usize,
     kv_heads: usize,
     head_dim: usize,
+    dtype: KvDtype,
     len: usize,
     capacity: usize,
-    k: Vec<f32>,
-    v: Vec<f32>,
+    k: KvBuf,
+    v: KvBuf,
 }
 
 impl KvCache {
-    /// An empty cache for `batch` sequences of `kv_heads` heads of `head_dim`.
-    pub fn new(batch: usize, kv_heads: usize, head_dim: usize) -> Self {
+    /// An empty cache for `batch` sequences of `kv_heads` heads of `head_dim`, stored as `dtype`.
+    pub fn new(batch: usize, kv_heads: usize, head_dim: usize, dtype: KvDtype) -> Self {
         Self {
             batch,
             kv_heads,
             head_dim,
+            dtype,
             len: 0,
             capacity: 0,
-            k: Vec::new(),
-            v: Vec::new(),
+            k: KvBuf::new(dtype),
+            v: KvBuf::new(dtype),
         }
+    }
+
+    /// How keys and values are stored.
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
     }
 
     /// Positions held.
@@ -64,7 +138,18 @@ impl KvCache {
 
     /// Bytes allocated for keys and values.
     pub fn allocated_bytes(&self) -> usize {
-        (self.k.capacity() + self.v.capacity()) * std::mem::size_of::<f32>()
+        let values = match (&self.k, &self.v) {
+            (KvBuf::F32(k), KvBuf::F32(v)) => k.capacity() + v.capacity(),
+            (KvBuf::Bf16(k), KvBuf::Bf16(v)) => k.capacity() + v.capacity(),
+            _ => unreachable!("keys and values share one dtype"),
+        };
+        values * self.dtype.size_in_bytes()
+    }
+
+    /// Bytes of keys and values per cached position: what each decoded token reads per position
+    /// of its context.
+    pub fn bytes_per_position(&self) -> usize {
+        self.batch * 2 * self.kv_heads * self.head_dim * self.dtype.size_in_bytes()
     }
 
     fn grow_to(&mut self, needed: usize) {
@@ -76,14 +161,27 @@ impl KvCache {
             .next_multiple_of(KV_CHUNK);
         let (d, old, len) = (self.head_dim, self.capacity, self.len);
         let rows = self.batch * self.kv_heads;
-        for buf in [&mut self.k, &mut self.v] {
+        fn regrow<E: KvElem>(
+            buf: &mut Vec<E>,
+            rows: usize,
+            old: usize,
+            cap: usize,
+            len: usize,
+            d: usize,
+        ) {
             // Zeroed memory is mapped lazily: only the positions written are touched.
-            let mut next = vec![0f32; rows * cap * d];
+            let mut next = vec![E::default(); rows * cap * d];
             for r in 0..rows {
                 next[r * cap * d..(r * cap + len) * d]
                     .copy_from_slice(&buf[r * old * d..(r * old + len) * d]);
             }
             *buf = next;
+        }
+        for buf in [&mut self.k, &mut self.v] {
+            match buf {
+                KvBuf::F32(b) => regrow(b, rows, old, cap, len, d),
+                KvBuf::Bf16(b) => regrow(b, rows, old, cap, len, d),
+            }
         }
         self.capacity = cap;
     }
@@ -102,28 +200,35 @@ impl KvCache {
         );
         assert_eq!(v.len(), k.len(), "values must be [b, s, kv_heads, d]");
         self.grow_to(self.len + s);
-        let cap = self.capacity;
-        for b in 0..self.batch {
-            for t in 0..s {
-                for h in 0..hk {
-                    let src = ((b * s + t) * hk + h) * d;
-                    let dst = ((b * hk + h) * cap + self.len + t) * d;
-                    self.k[dst..dst + d].copy_from_slice(&k[src..src + d]);
-                    self.v[dst..dst + d].copy_from_slice(&v[src..src + d]);
+        let (cap, len, batch) = (self.capacity, self.len, self.batch);
+        let store = |buf: &mut KvBuf, x: &[f32]| {
+            fn put<E: KvElem>(buf: &mut [E], src: &[f32]) {
+                buf.iter_mut()
+                    .zip(src)
+                    .for_each(|(o, &x)| *o = E::from_f32(x));
+            }
+            for b in 0..batch {
+                for t in 0..s {
+                    for h in 0..hk {
+                        let src = &x[((b * s + t) * hk + h) * d..][..d];
+                        let dst = ((b * hk + h) * cap + len + t) * d;
+                        match buf {
+                            KvBuf::F32(buf) => put(&mut buf[dst..dst + d], src),
+                            KvBuf::Bf16(buf) => put(&mut buf[dst..dst + d], src),
+                        }
+                    }
                 }
             }
-        }
+        };
+        store(&mut self.k, k);
+        store(&mut self.v, v);
         self.len += s;
     }
 
-    /// Keys and values of sequence `b`, kv head `h`: `[len, head_dim]` each.
-    fn head(&self, b: usize, h: usize) -> (&[f32], &[f32]) {
-        let d = self.head_dim;
-        let start = (b * self.kv_heads + h) * self.capacity * d;
-        (
-            &self.k[start..start + self.len * d],
-            &self.v[start..start + self.len * d],
-        )
+    /// The element range of sequence `b`, kv head `h`'s `[len, head_dim]` keys (and values).
+    fn head_range(&self, b: usize, h: usize) -> std::ops::Range<usize> {
+        let start = (b * self.kv_heads + h) * self.capacity * self.head_dim;
+        start..start + self.len * self.head_dim
     }
 }
 
@@ -135,6 +240,23 @@ impl KvCache {
 /// When `q` does not match the cache's batch and head dim, `heads` is not a multiple of the
 /// cache's kv heads, or the cache holds fewer than `s` positions.
 pub fn attend(q: &[f32], cache: &KvCache, s: usize, heads: usize, scale: f32) -> Vec<f32> {
+    match (&cache.k, &cache.v) {
+        (KvBuf::F32(k), KvBuf::F32(v)) => attend_over(q, cache, k, v, s, heads, scale),
+        (KvBuf::Bf16(k), KvBuf::Bf16(v)) => attend_over(q, cache, k, v, s, heads, scale),
+        _ => unreachable!("keys and values share one dtype"),
+    }
+}
+
+/// [`attend`] over the cache's keys `k` and values `v` in their storage type.
+fn attend_over<E: KvElem>(
+    q: &[f32],
+    cache: &KvCache,
+    k: &[E],
+    v: &[E],
+    s: usize,
+    heads: usize,
+    scale: f32,
+) -> Vec<f32> {
     let (batch, d, hk) = (cache.batch, cache.head_dim, cache.kv_heads);
     assert_eq!(q.len(), batch * s * heads * d, "q must be [b, s, heads, d]");
     assert!(
@@ -155,7 +277,8 @@ pub fn attend(q: &[f32], cache: &KvCache, s: usize, heads: usize, scale: f32) ->
         .map(|task| {
             let (bh, blk) = (task / blocks, task % blocks);
             let (b, h) = (bh / heads, bh % heads);
-            let (keys, values) = cache.head(b, h / n_rep);
+            let range = cache.head_range(b, h / n_rep);
+            let (keys, values) = (&k[range.clone()], &v[range]);
             let rows = blk * QUERY_BLOCK..((blk + 1) * QUERY_BLOCK).min(s);
             let mut out = vec![0f32; rows.len() * d];
             let mut scores = Vec::with_capacity(cache.len);
@@ -187,16 +310,16 @@ pub fn attend(q: &[f32], cache: &KvCache, s: usize, heads: usize, scale: f32) ->
 }
 
 /// One query of one head against the first `visible` keys and values of its kv head.
-struct HeadQuery<'a> {
+struct HeadQuery<'a, E> {
     q: &'a [f32],
-    keys: &'a [f32],
-    values: &'a [f32],
+    keys: &'a [E],
+    values: &'a [E],
     visible: usize,
     scale: f32,
 }
 
 /// [`HeadQuery`] into `out`, with the best code path for the CPU; `scores` is scratch.
-fn head_query(h: &HeadQuery, scores: &mut Vec<f32>, out: &mut [f32]) {
+fn head_query<E: KvElem>(h: &HeadQuery<E>, scores: &mut Vec<f32>, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: the features were just detected.
@@ -211,13 +334,13 @@ fn head_query(h: &HeadQuery, scores: &mut Vec<f32>, out: &mut [f32]) {
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn head_query_avx2(h: &HeadQuery, scores: &mut Vec<f32>, out: &mut [f32]) {
+unsafe fn head_query_avx2<E: KvElem>(h: &HeadQuery<E>, scores: &mut Vec<f32>, out: &mut [f32]) {
     head_query_portable(h, scores, out)
 }
 
 /// Scores `q · k_j · scale`, softmax (max-subtracted, F32), `out = Σ_j p_j v_j`.
 #[inline(always)]
-fn head_query_portable(h: &HeadQuery, scores: &mut Vec<f32>, out: &mut [f32]) {
+fn head_query_portable<E: KvElem>(h: &HeadQuery<E>, scores: &mut Vec<f32>, out: &mut [f32]) {
     let d = h.q.len();
     scores.clear();
     scores.extend(
@@ -235,7 +358,7 @@ fn head_query_portable(h: &HeadQuery, scores: &mut Vec<f32>, out: &mut [f32]) {
     out.fill(0.0);
     for (&p, v) in scores.iter().zip(h.values.chunks_exact(d)) {
         for (o, &x) in out.iter_mut().zip(v) {
-            *o += p * x;
+            *o += p * x.to_f32();
         }
     }
     let inv = 1.0 / sum;
@@ -244,18 +367,18 @@ fn head_query_portable(h: &HeadQuery, scores: &mut Vec<f32>, out: &mut [f32]) {
 
 /// A dot product in eight independent lanes (so that it vectorises), then summed.
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+fn dot<E: KvElem>(a: &[f32], b: &[E]) -> f32 {
     let mut acc = [0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
     let tail: f32 = ac
         .remainder()
         .iter()
         .zip(bc.remainder())
-        .map(|(x, y)| x * y)
+        .map(|(x, y)| x * y.to_f32())
         .sum();
     for (x, y) in ac.zip(bc) {
         for i in 0..8 {
-            acc[i] += x[i] * y[i];
+            acc[i] += x[i] * y[i].to_f32();
         }
     }
     acc.iter().sum::<f32>() + tail

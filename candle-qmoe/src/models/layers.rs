@@ -16,7 +16,7 @@ use candle_nn::VarBuilder;
 
 use super::config::{FfnSpec, ModelSpec};
 use super::experts::{ExpertDims, ExpertsLoader};
-use crate::kernels::attention::{attend, KvCache};
+use crate::kernels::attention::{attend, KvCache, KvDtype};
 use crate::linear::{activation_dtype, DenseLinear};
 use crate::mlp::GatedMlp;
 use crate::moe::SharedExpert;
@@ -271,7 +271,13 @@ impl Attention {
         let k = rope(k, self.num_kv_heads)?;
         let v = v.flatten_all()?.to_vec1::<f32>()?;
         if matches!(self.kv_cache, KvStore::Empty) {
-            self.kv_cache = KvStore::Host(KvCache::new(b, self.num_kv_heads, d));
+            // Keys and values at the weights' precision: F32 for the F32 reference path, BF16
+            // (the checkpoint's) otherwise.
+            let dtype = match self.k_proj.weight_format() {
+                "f32" => KvDtype::F32,
+                _ => KvDtype::Bf16,
+            };
+            self.kv_cache = KvStore::Host(KvCache::new(b, self.num_kv_heads, d, dtype));
         }
         let KvStore::Host(cache) = &mut self.kv_cache else {
             candle::bail!("attention: the KV cache was filled on another device or dtype");

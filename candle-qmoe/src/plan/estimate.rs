@@ -59,10 +59,20 @@ impl Target {
         }
     }
 
-    /// Whether attention runs the fused CPU kernel over an in-place F32 KV cache (else Candle
+    /// Whether attention runs the fused CPU kernel over an in-place KV cache (else Candle
     /// tensor code that concatenates the cache and repeats kv heads).
     fn fused_attention(self, weights: DType) -> bool {
         self == Self::Cpu && self.activation_dtype(weights) == DType::F32
+    }
+
+    /// The dtype the KV cache stores: the fused CPU kernel keeps BF16 (the weights') unless the
+    /// weights are F32; Candle's tensor path keeps the activations' dtype.
+    pub fn kv_dtype(self, weights: DType) -> DType {
+        if self.fused_attention(weights) && weights != DType::F32 {
+            DType::BF16
+        } else {
+            self.activation_dtype(weights)
+        }
     }
 
     /// The name used on command lines and in evidence files (`cpu`, `cuda`).
@@ -260,7 +270,8 @@ fn workspace(spec: &ModelSpec, opts: &PlanOptions, ctx: usize) -> ByteRange {
     let fused = opts.target.fused_attention(opts.dtype);
     let (nh, nkv, hd) = (spec.num_heads, spec.num_kv_heads, spec.head_dim);
     let qkv = product(&[n, nh + 2 * nkv, hd, dt]);
-    let kv_grow = product(&[b, 2, nkv, hd, ctx, dt]);
+    let kv_dt = opts.target.kv_dtype(opts.dtype).size_in_bytes();
+    let kv_grow = product(&[b, 2, nkv, hd, ctx, kv_dt]);
     let repeat = if nh == nkv || fused {
         0
     } else {
@@ -390,10 +401,10 @@ impl Plan {
                 .fold(0, u64::saturating_add),
             ExpertStorage::Dense(_) => 0,
         };
-        // The KV cache holds activations (F32 on the CPU with BF16 weights). The fused path
-        // allocates ahead in chunks, but zeroed pages are mapped only when written: what it
-        // holds is the positions used.
-        let kv_dt = o.target.activation_dtype(o.dtype).size_in_bytes();
+        // The KV cache holds keys and values in `kv_dtype` (BF16 on the CPU with BF16 weights).
+        // The fused path allocates ahead in chunks, but zeroed pages are mapped only when
+        // written: what it holds is the positions used.
+        let kv_dt = o.target.kv_dtype(o.dtype).size_in_bytes();
         let kv_cache = product(&[
             spec.num_layers(),
             2,
