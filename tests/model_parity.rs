@@ -9,7 +9,7 @@ use candle::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_qmoe::models::{
     self, olmoe, qwen2_moe, AnyConfig, ExpertsBackend, ExpertsLoader, ModelConfig, MoeForCausalLm,
-    PackedExperts, QuantizeOptions,
+    PackedExperts, QkNorm, QuantizeOptions,
 };
 use candle_qmoe::parity::{
     compare_prompt, greedy_continuation, logit_agreement, topk_sets, Golden, PromptParity,
@@ -403,14 +403,18 @@ fn config_spellings_and_defaults() {
     }
     let spec = spec_ok(&config_json("olmoe-tiny"));
     assert!(
-        spec.attention.qk_norm && !spec.attention.qkv_bias && spec.attention.clip_qkv.is_none()
+        spec.attention.qk_norm == QkNorm::Projection
+            && !spec.attention.qkv_bias
+            && spec.attention.clip_qkv.is_none()
     );
     let json = edit_config("olmoe-tiny", |v| v["clip_qkv"] = 8.0.into());
     let spec = spec_ok(&json);
     assert_eq!(spec.attention.clip_qkv, Some(8.0));
     // Qwen2-MoE: mlp_only_layers and decoder_sparse_step choose the dense layers.
     let spec = spec_ok(&config_json("qwen2moe-tiny"));
-    assert!(spec.attention.qkv_bias && !spec.attention.o_bias && !spec.attention.qk_norm);
+    assert!(
+        spec.attention.qkv_bias && !spec.attention.o_bias && spec.attention.qk_norm == QkNorm::None
+    );
     assert_eq!(spec.moe_layers(), vec![0, 1]);
     let json = edit_config("qwen2moe-tiny", |v| {
         v["num_hidden_layers"] = 6.into();

@@ -35,7 +35,9 @@ use std::path::Path;
 
 pub use causal_lm::MoeForCausalLm;
 pub use checkpoint::{checkpoint_files, fingerprint, mmap_checkpoint, CheckpointTensors};
-pub use config::{AttentionSpec, CommonConfig, FfnSpec, ModelConfig, ModelSpec, MoeSpec};
+pub use config::{
+    AttentionSpec, CommonConfig, FfnSpec, ModelConfig, ModelSpec, MoeNames, MoeSpec, QkNorm,
+};
 pub use experts::{ExpertDims, ExpertsBackend, ExpertsLoader, PackedExperts};
 pub use quantize::{quantize_checkpoint, quantize_checkpoint_to_file, QuantizeOptions};
 
