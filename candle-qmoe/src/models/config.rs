@@ -394,13 +394,15 @@ pub struct CommonConfig {
     /// RoPE settings (newer spelling, `rope_parameters.rope_theta`).
     #[serde(default)]
     pub rope_parameters: Option<RopeParameters>,
-    /// Only `null` or a `default` RoPE type is supported.
+    /// Only `null` or a `default` RoPE type is supported (see [`Self::rope_theta`]).
     #[serde(default)]
     pub rope_scaling: Option<serde_json::Value>,
     /// `lm_head` shares the embedding weights (default `false`).
     #[serde(default)]
     pub tie_word_embeddings: Option<bool>,
-    /// Routed experts per MoE layer.
+    /// Routed experts per MoE layer (also read as `num_local_experts`, the Mixtral and
+    /// transformers 5 spelling).
+    #[serde(alias = "num_local_experts")]
     pub num_experts: usize,
     /// Experts chosen per token.
     pub num_experts_per_tok: usize,
@@ -413,17 +415,32 @@ pub struct CommonConfig {
 }
 
 impl CommonConfig {
-    /// The RoPE base from either spelling (default 10000), refusing RoPE scaling types other than
-    /// `default`.
+    /// The RoPE base from either spelling (default 10000). RoPE scaling is not implemented: a
+    /// `rope_parameters.rope_type` or a non-null `rope_scaling` (whose type is `rope_type`,
+    /// or `type` in older configs) other than `default` is a [`QmoeError::UnsupportedConfig`]
+    /// naming the type, or naming `rope_scaling` when it gives none.
     pub fn rope_theta(&self) -> crate::Result<f64> {
         let params = self.rope_parameters.as_ref();
-        let scaling_type = self.rope_scaling.as_ref().and_then(|v| {
+        let scaling = self.rope_scaling.as_ref().filter(|v| !v.is_null());
+        let scaling_type = scaling.map(|v| {
             v.get("rope_type")
                 .or_else(|| v.get("type"))
                 .and_then(|t| t.as_str())
+                .ok_or_else(|| {
+                    QmoeError::unsupported(
+                        "rope_scaling",
+                        v,
+                        "names no RoPE type (only the default RoPE is supported)",
+                    )
+                })
         });
-        let rope_type = params.and_then(|p| p.rope_type.as_deref()).or(scaling_type);
-        if let Some(rt) = rope_type.filter(|rt| *rt != "default") {
+        let scaling_type = scaling_type.transpose()?;
+        let rope_type = params.and_then(|p| p.rope_type.as_deref());
+        if let Some(rt) = [rope_type, scaling_type]
+            .into_iter()
+            .flatten()
+            .find(|rt| *rt != "default")
+        {
             return Err(QmoeError::unsupported(
                 "rope_type",
                 rt,

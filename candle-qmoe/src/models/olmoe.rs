@@ -13,6 +13,9 @@ use super::config::{AttentionSpec, CommonConfig, FfnSpec, ModelConfig, ModelSpec
 /// The `model_type` this port reads.
 pub const MODEL_TYPE: &str = "olmoe";
 
+/// The `architectures` entry of this family.
+pub const ARCHITECTURE: &str = "OlmoeForCausalLM";
+
 /// An OLMoE `config.json`.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 pub struct Config {

@@ -14,6 +14,9 @@ use crate::QmoeError;
 /// The `model_type` this port reads.
 pub const MODEL_TYPE: &str = "qwen2_moe";
 
+/// The `architectures` entry of this family.
+pub const ARCHITECTURE: &str = "Qwen2MoeForCausalLM";
+
 /// Which layers of a Qwen-MoE model (Qwen2-MoE, Qwen3-MoE) are sparse, and the size of their
 /// routed experts: transformers' `Qwen2MoeDecoderLayer` rule, which `Qwen3MoeDecoderLayer`
 /// keeps. Flattened into both ports' `Config`.
