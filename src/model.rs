@@ -553,6 +553,8 @@ fn load_checkpoint(
         args.revision.as_deref(),
     )?;
     let config = AnyConfig::from_file(ckpt.dir.join("config.json"))?;
+    // Before the weights: a missing tokenizer fails fast.
+    let tokenizer = crate::tokenizer::load_tokenizer(&ckpt.dir, config.model_type())?;
     let mut cache = None;
     let (experts, group): (Box<dyn ExpertsLoader>, _) = match args.experts {
         Experts::Int4 => {
@@ -587,7 +589,7 @@ fn load_checkpoint(
     let name = ckpt.model_id.to_lowercase();
     Ok(Loaded {
         model,
-        tokenizer: crate::tokenizer::load_tokenizer(&ckpt.dir, config.model_type())?,
+        tokenizer,
         instruct: name.contains("instruct") || name.contains("chat"),
         model_id: ckpt.model_id,
         revision: ckpt.revision,
