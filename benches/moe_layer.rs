@@ -5,7 +5,7 @@
 
 use candle::quantized::GgmlDType;
 use candle::{DType, Device, Tensor};
-use candle_qmoe::pack::{DenseExpert, GroupSize, LayerPack, ScaleSearch};
+use candle_qmoe::pack::{DenseExpert, ExpertNames, GroupSize, LayerPack, ScaleSearch};
 use candle_qmoe::synthetic::SyntheticKind;
 use candle_qmoe::{synthetic, DenseExperts, GgmlExperts, Int4Experts, RoutedExperts};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
@@ -26,8 +26,9 @@ fn bench_layer(c: &mut Criterion) {
         let dense =
             synthetic::random_experts(7, s.experts, s.hidden, s.intermediate, 0.02).unwrap();
         let layout = s.layout(GroupSize::default());
-        let int4 =
-            Int4Experts::new(LayerPack::quantize("l", &dense, layout, ScaleSearch::Mse).unwrap());
+        let int4 = Int4Experts::new(
+            LayerPack::quantize("l", ExpertNames::PROJ, &dense, layout, ScaleSearch::Mse).unwrap(),
+        );
         let bf16: Vec<DenseExpert> = dense
             .iter()
             .map(|x| DenseExpert {

@@ -547,6 +547,8 @@ fn load_checkpoint(
         args.revision.as_deref(),
     )?;
     let config = AnyConfig::from_file(ckpt.dir.join("config.json"))?;
+    // Before the weights: a missing tokenizer fails fast.
+    let tokenizer = crate::tokenizer::load_tokenizer(&ckpt.dir, config.model_type())?;
     let mut cache = None;
     let (experts, group): (Box<dyn ExpertsLoader>, _) = match args.experts {
         Experts::Int4 => {
@@ -583,7 +585,7 @@ fn load_checkpoint(
         .or_else(|| ChatTemplate::builtin(config.model_type()));
     Ok(Loaded {
         model,
-        tokenizer: crate::tokenizer::load_tokenizer(&ckpt.dir, config.model_type())?,
+        tokenizer,
         instruct: name.contains("instruct") || name.contains("chat"),
         chat_template,
         model_id: ckpt.model_id,

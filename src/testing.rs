@@ -175,6 +175,15 @@ pub fn rel_err<A: Copy + Into<f64>, B: Copy + Into<f64>>(a: &[A], b: &[B]) -> f6
     (num / den).sqrt()
 }
 
+/// The checked-in fixtures (`tests/fixtures/{name}`, docs/architecture.md §7), one per supported
+/// family, in the order of `candle_qmoe::models::SUPPORTED_MODEL_TYPES`.
+pub const FIXTURES: [&str; 4] = [
+    "olmoe-tiny",
+    "qwen2moe-tiny",
+    "qwen3moe-tiny",
+    "mixtral-tiny",
+];
+
 /// The folder of a checked-in test fixture (`tests/fixtures/{name}`).
 pub fn fixture_dir(name: &str) -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -68,12 +68,20 @@ pub fn bundled_tokenizer_files(model_type: &str) -> Result<Vec<(&'static str, Ve
     ])
 }
 
-/// `dir/tokenizer.json`, or else the bundled tokenizer of the family (with a note).
+/// `dir/tokenizer.json`, or else the bundled tokenizer of the family (with a note); an error
+/// saying what to do when the folder has none and no tokenizer of the family is bundled.
 pub fn load_tokenizer(dir: &Path, model_type: &str) -> Result<Tokenizer> {
     let path = dir.join("tokenizer.json");
     if path.is_file() {
         return Tokenizer::from_file(&path)
             .map_err(|e| anyhow::anyhow!("cannot read `{}`: {e}", path.display()));
+    }
+    if bundled_tokenizer_bytes(model_type).is_none() {
+        bail!(
+            "no tokenizer.json in `{}`, and no tokenizer is bundled for model_type `{model_type}`: \
+             put the model's tokenizer.json in the folder",
+            dir.display()
+        );
     }
     eprintln!(
         "note: no tokenizer.json in `{}`, using the bundled {model_type} tokenizer",

@@ -6,7 +6,7 @@
 //! data must be refused, naming the layer and the expert.
 //!
 //! `QMOE_FUZZ_ITERS=N` runs N mutations of each file (default: a few thousand in all, a few
-//! seconds in release); `QMOE_FUZZ_SEED=S` changes the seed.
+//! seconds in release; the configs of all four fixtures are fuzzed); `QMOE_FUZZ_SEED=S` changes the seed.
 //!
 //! The cap is a global allocator that refuses requests above 256 MiB (the fixtures are a few
 //! MiB, so no honest load comes near it). Unlike a `setrlimit` address-space cap it needs no
@@ -27,7 +27,7 @@ use candle_qmoe::pack::{slab_checksum, ExpertLayout, GroupSize, PackFile};
 use candle_qmoe::residency::{Residency, ResidencyOptions, Resident};
 use candle_qmoe::synthetic::{SyntheticKind, SyntheticModel};
 use candle_qmoe::{Int4Experts, QmoeError, RoutedExperts};
-use candle_qmoe_suite::testing::fixture_dir;
+use candle_qmoe_suite::testing::{fixture_dir, FIXTURES};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
@@ -492,11 +492,11 @@ fn damaged_packs_are_refused_naming_the_file() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A copy of the olmoe-tiny checkpoint in a fresh folder.
-fn checkpoint_copy(tag: &str) -> PathBuf {
-    let dir = temp_dir(tag);
+/// A copy of the `fixture` checkpoint in a fresh folder.
+fn checkpoint_copy(fixture: &str, tag: &str) -> PathBuf {
+    let dir = temp_dir(&format!("{fixture}-{tag}"));
     for f in ["config.json", "model.safetensors"] {
-        std::fs::copy(fixture_dir("olmoe-tiny").join(f), dir.join(f)).unwrap();
+        std::fs::copy(fixture_dir(fixture).join(f), dir.join(f)).unwrap();
     }
     dir
 }
@@ -572,15 +572,16 @@ fn mutate_config(rng: &mut StdRng, valid: &[u8]) -> Mutation {
     }
 }
 
-/// Fuzzes `file` of a copy of the olmoe-tiny checkpoint with `cases` mutations from `mutate`,
+/// Fuzzes `file` of a copy of the `fixture` checkpoint with `cases` mutations from `mutate`,
 /// loading the whole checkpoint each time; errors must name the checkpoint's folder.
 fn fuzz_checkpoint_file(
+    fixture: &str,
     file: &str,
     stream: u64,
     cases: usize,
     mutate: impl Fn(&mut StdRng, &[u8]) -> Mutation,
 ) {
-    let dir = checkpoint_copy(file);
+    let dir = checkpoint_copy(fixture, file);
     let path = dir.join(file);
     let valid = std::fs::read(&path).unwrap();
     fuzz(
@@ -595,16 +596,61 @@ fn fuzz_checkpoint_file(
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Every family's config, a quarter of the default mutations each (OLMoE's on the stream it
+/// always had).
 #[test]
 fn damaged_configs_are_refused_naming_the_file() {
-    fuzz_checkpoint_file("config.json", 2, iterations(1000), mutate_config);
+    for (stream, fixture) in [2, 10, 11, 12].into_iter().zip(FIXTURES) {
+        let cases = iterations(250);
+        fuzz_checkpoint_file(fixture, "config.json", stream, cases, mutate_config);
+    }
 }
 
 #[test]
 fn damaged_checkpoints_are_refused_naming_the_file() {
-    fuzz_checkpoint_file("model.safetensors", 3, iterations(400), |rng, valid| {
+    let cases = iterations(400);
+    fuzz_checkpoint_file("olmoe-tiny", "model.safetensors", 3, cases, |rng, valid| {
         mutate_safetensors(rng, valid, false)
     });
+}
+
+/// A `config.json` of a family no port implements is refused naming its `model_type` (or, without
+/// one, its architecture), the supported model types and the file.
+#[test]
+fn unsupported_families_are_refused_naming_the_type() {
+    let dir = checkpoint_copy("olmoe-tiny", "families");
+    let path = dir.join("config.json");
+    let valid: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let supported = format!("{:?}", models::SUPPORTED_MODEL_TYPES);
+    for (model_type, architecture) in [
+        ("deepseek_v3", "DeepseekV3ForCausalLM"),
+        ("qwen3_next", "Qwen3NextForCausalLM"),
+        ("gpt_oss", "GptOssForCausalLM"),
+    ] {
+        let mut config = valid.clone();
+        config["model_type"] = model_type.into();
+        config["architectures"] = json!([architecture]);
+        let mut without_type = config.clone();
+        without_type.as_object_mut().unwrap().remove("model_type");
+        for (config, field, value) in [
+            (config, "model_type", model_type),
+            (without_type, "architectures", architecture),
+        ] {
+            std::fs::write(&path, config.to_string()).unwrap();
+            let e = AnyConfig::from_file(&path).unwrap_err();
+            let msg = e.to_string();
+            assert!(
+                matches!(&e, QmoeError::UnsupportedConfig { field: f, value: v, .. }
+                    if f == field && v == value),
+                "{msg}"
+            );
+            for needle in [value, &supported, &path.display().to_string()] {
+                assert!(msg.contains(needle), "`{needle}` not in: {msg}");
+            }
+            assert!(load_checkpoint(&dir).is_err());
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// A pack whose expert 5 of layer 1 has 200 bytes overwritten loads (only the header is read),

@@ -1,6 +1,7 @@
-//! The OLMoE and Qwen2-MoE ports against transformers 5.24 on the tiny fixtures
-//! (`tests/fixtures/{olmoe,qwen2moe}-tiny`, BF16 weights, golden computed in float32), plus the
-//! ports' handling of bad input.
+//! The OLMoE, Qwen2-MoE, Qwen3-MoE and Mixtral ports against transformers 5.24 on the tiny
+//! fixtures (`tests/fixtures/{olmoe,qwen2moe,qwen3moe,mixtral}-tiny`, BF16 weights, golden
+//! computed in float32), plus the ports' handling of bad input. Every check runs on every
+//! fixture of `candle_qmoe_suite::testing::FIXTURES`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -9,16 +10,16 @@ use candle::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_qmoe::kernels::cpu::W4A8_MIN_TOKENS;
 use candle_qmoe::models::{
-    self, olmoe, qwen2_moe, AnyConfig, ExpertsBackend, ExpertsLoader, ModelConfig, MoeForCausalLm,
-    PackedExperts, QuantizeOptions,
+    self, mixtral, olmoe, qwen2_moe, qwen3_moe, AnyConfig, ExpertsBackend, ExpertsLoader, FfnSpec,
+    ModelConfig, MoeForCausalLm, MoeNames, PackedExperts, QkNorm, QuantizeOptions,
 };
 use candle_qmoe::parity::{
     compare_prompt, greedy_continuation, logit_agreement, topk_sets, Golden, PromptParity,
 };
 use candle_qmoe::{GroupSize, QmoeError, ScaleSearch};
-use candle_qmoe_suite::testing::{fixture_dir, golden_prompt_count, load_golden};
+use candle_qmoe_suite::testing::{fixture_dir, golden_prompt_count, load_golden, FIXTURES};
+use serde_json::json;
 
-const FIXTURES: [&str; 2] = ["olmoe-tiny", "qwen2moe-tiny"];
 /// Dense F32 compute from the BF16 weights must reproduce transformers' float32 logits to this.
 const DENSE_TOL: f32 = 1e-3;
 
@@ -93,12 +94,9 @@ fn dense_parity(name: &str, cfg: &impl ModelConfig) {
         let golden_routers = g("router_logits");
         assert_eq!(routers.len(), golden_routers.dim(0).unwrap());
         for (l, ours) in routers.iter().enumerate() {
-            let k = match &spec.layers[spec.moe_layers()[l]] {
-                models::FfnSpec::Moe(m) => m.top_k,
-                models::FfnSpec::Dense { .. } => unreachable!(),
-            };
-            // transformers records raw logits for OLMoE and softmax probabilities for Qwen2-MoE;
-            // softmax is monotonic, so the top-k sets compare either way.
+            let k = spec.moe_blocks().nth(l).unwrap().1.top_k;
+            // transformers records raw logits for some families and softmax probabilities for
+            // others; softmax is monotonic, so the top-k sets compare either way.
             let want = topk_sets(&golden_routers.get(l).unwrap(), k).unwrap();
             assert_eq!(
                 topk_sets(&ours.squeeze(0).unwrap(), k).unwrap(),
@@ -120,16 +118,22 @@ fn dense_parity(name: &str, cfg: &impl ModelConfig) {
     }
 }
 
-#[test]
-fn olmoe_dense_f32_matches_transformers() {
-    let cfg = olmoe::Config::from_json_str(&config_json("olmoe-tiny")).unwrap();
-    dense_parity("olmoe-tiny", &cfg);
+/// One test per port, each through the port's own `Config`.
+macro_rules! dense_parity_tests {
+    ($($test:ident: $port:ident on $fixture:literal;)*) => {$(
+        #[test]
+        fn $test() {
+            let cfg = $port::Config::from_json_str(&config_json($fixture)).unwrap();
+            dense_parity($fixture, &cfg);
+        }
+    )*};
 }
 
-#[test]
-fn qwen2moe_dense_f32_matches_transformers() {
-    let cfg = qwen2_moe::Config::from_json_str(&config_json("qwen2moe-tiny")).unwrap();
-    dense_parity("qwen2moe-tiny", &cfg);
+dense_parity_tests! {
+    olmoe_dense_f32_matches_transformers: olmoe on "olmoe-tiny";
+    qwen2moe_dense_f32_matches_transformers: qwen2_moe on "qwen2moe-tiny";
+    qwen3moe_dense_f32_matches_transformers: qwen3_moe on "qwen3moe-tiny";
+    mixtral_dense_f32_matches_transformers: mixtral on "mixtral-tiny";
 }
 
 /// Teacher-forced metrics over the prompt and the golden greedy continuation, greedy identity and
@@ -150,31 +154,38 @@ fn describe(f: &PromptParity) -> String {
     )
 }
 
+/// Least top-1 agreement of INT4 g128 experts with the golden (see
+/// `int4_experts_track_transformers`).
+const INT4_MIN_TOP1: f64 = 0.5;
+/// Largest mean KL of INT4 g128 experts against the golden, nats.
+const INT4_MAX_MEAN_KL: f64 = 5e-2;
+/// Largest |Δlogit| of INT4 g128 experts against the golden.
+const INT4_MAX_ABS: f64 = 2.5;
+
 /// INT4 routed experts (g128, MSE scales; everything else F32) against the transformers golden,
 /// teacher-forced over the prompt and the golden greedy continuation.
 ///
 /// Where the thresholds come from (all measured on these fixtures, see the eprintln output):
 /// * The fixtures' experts are Gaussian random matrices; 4-bit g128 MSE quantization leaves a
 ///   relative RMS weight error of ~11% (the textbook figure for 16 levels). The random 2-layer
-///   models lean on their experts, so that moves the logits (RMS ≈ 1) by up to 0.42–0.73, with mean
-///   KL 5.0e-3–9.2e-3 nats; the same numbers come out of the dense oracle run on the dequantized
-///   weights (see `int4_kernel_matches_dequantized_oracle_in_model`), so this is quantization
-///   error, not kernel error.
+///   models lean on their experts, so that moves the logits (RMS ≈ 1) by up to 0.42–0.94
+///   (Mixtral, whose top-2 routing leans on fewer experts: 1.7–1.8), with mean KL 5.0e-3–1.5e-2
+///   nats (Mixtral 2.1e-2–2.7e-2); the same numbers come out of the dense oracle run on the
+///   dequantized weights (see `int4_kernel_matches_dequantized_oracle_in_model`), so this is
+///   quantization error, not kernel error.
 /// * Top-1/top-2 logit gaps are small (median 0.06–0.2, minimum 0.006), so that noise flips the
-///   argmax at 13–27% of positions (measured top-1 0.73–0.87) and greedy continuations diverge
-///   after 0–5 tokens; greedy identity is printed, not asserted.
-/// * Bounds: top-1 ≥ 0.6, mean KL ≤ 2e-2, max |Δlogit| ≤ 1.5 — about 2× headroom over the worst
-///   prompt. A real defect fails all three: routing every token to the wrong experts measured
-///   top-1 0.15–0.30, KL ≈ 0.23, max |Δlogit| ≈ 3.3–3.7. Subtler kernel defects are caught by the
-///   tight in-model comparison with the dequantized oracle.
-/// * Router agreement: the INT4 noise reaching a layer's input swaps near-tied 4th/5th experts
-///   for a few tokens of the second MoE layer (measured 0.94–1.0); ≥ 0.8 leaves room while a
-///   broken router (random sets) would score near 0.
+///   argmax at 3–33% of positions (measured top-1 0.67–0.97) and greedy continuations diverge
+///   after 0–17 tokens; greedy identity is printed, not asserted.
+/// * Bounds ([`INT4_MIN_TOP1`], [`INT4_MAX_MEAN_KL`], [`INT4_MAX_ABS`]): top-1 ≥ 0.5, mean
+///   KL ≤ 5e-2, max |Δlogit| ≤ 2.5 — about 1.4–1.8× headroom over the worst prompt. A real
+///   defect fails the first two by far: routing every token to the wrong experts (expert
+///   `e + 1` for `e`) measured top-1 0.09–0.29 and KL 0.19–0.57 (max |Δlogit| 2.6–5.1). Subtler
+///   kernel defects are caught by the tight in-model comparison with the dequantized oracle.
+/// * Router agreement: the INT4 noise reaching a layer's input swaps near-tied experts at the
+///   edge of the top-k for a few tokens of the second MoE layer (measured 0.86–1.0); ≥ 0.8 leaves
+///   room while a broken router (random sets) would score near 0.
 #[test]
 fn int4_experts_track_transformers() {
-    const MIN_TOP1: f64 = 0.6;
-    const MAX_MEAN_KL: f64 = 2e-2;
-    const MAX_ABS: f64 = 1.5;
     const MIN_ROUTER: f64 = 0.8;
     let backend = ExpertsBackend::Int4 {
         group_size: GroupSize::new(128).unwrap(),
@@ -196,17 +207,17 @@ fn int4_experts_track_transformers() {
             assert_eq!(d.greedy_prefix_match, d.greedy_steps, "{name} prompt{p}");
             assert_eq!(d.router_agreement, Some(1.0), "{name} prompt{p}");
             assert!(
-                q.top1_agreement >= MIN_TOP1,
+                q.top1_agreement >= INT4_MIN_TOP1,
                 "{name} prompt{p}: int4 top-1 {}",
                 q.top1_agreement
             );
             assert!(
-                q.mean_kl <= MAX_MEAN_KL,
+                q.mean_kl <= INT4_MAX_MEAN_KL,
                 "{name} prompt{p}: int4 mean KL {}",
                 q.mean_kl
             );
             assert!(
-                q.max_abs_diff <= MAX_ABS,
+                q.max_abs_diff <= INT4_MAX_ABS,
                 "{name} prompt{p}: int4 max |Δlogit| {}",
                 q.max_abs_diff
             );
@@ -215,6 +226,30 @@ fn int4_experts_track_transformers() {
                 "{name} prompt{p}: int4 router agreement {:?}",
                 q.router_agreement
             );
+        }
+    }
+}
+
+/// The MSE scale search ([`ScaleSearch::Mse`], the default) is no worse than plain
+/// round-to-nearest (`absmax / 7`) at the same group size: summed over the prompts, its mean KL
+/// against the golden is at most RTN's. Measured: see the eprintln output (MSE lowers the
+/// weights' squared error by construction, and on every fixture and group size that carries
+/// through to the logits).
+#[test]
+fn int4_mse_scales_are_no_worse_than_round_to_nearest() {
+    for name in FIXTURES {
+        let golden = golden_prompts(name);
+        for g in [32, 128] {
+            let kl = |search| {
+                let group_size = GroupSize::new(g).unwrap();
+                let mut model = load_any(name, &ExpertsBackend::Int4 { group_size, search });
+                (0..golden.prompts.len())
+                    .map(|p| fidelity(&mut model, &golden, p).mean_kl)
+                    .sum::<f64>()
+            };
+            let (mse, rtn) = (kl(ScaleSearch::Mse), kl(ScaleSearch::Rtn));
+            eprintln!("{name} g{g}: summed mean KL mse {mse:.3e} rtn {rtn:.3e}");
+            assert!(mse <= rtn, "{name} g{g}: mse {mse} > rtn {rtn}");
         }
     }
 }
@@ -231,14 +266,18 @@ fn packed(name: &str, group: GroupSize) -> PackedExperts {
 }
 
 /// In the full model, the INT4 kernel matches the dense oracle on the dequantized weights, so
-/// any difference is kernel arithmetic, not weight quantization. Below
-/// `W4A8_MIN_TOKENS` tokens (decode-sized calls; prompt 0 has 7) the activations are rounded to
-/// `i16` and only F32 accumulation order is left (measured max |Δlogit| ≈ 2e-4 on both
-/// fixtures, no top-1 flip). Longer calls (prompt 1 has 33 tokens) round activations to `i8`
-/// per group: a relative error of ~1% per projection (tests/routed_experts.rs), through two
-/// layers. Measured: KL ≤ 3.5e-4, max |Δlogit| ≤ 0.43, top-1 ≥ 0.94, a twenty-fifth of the KL
-/// the INT4 weights themselves cost on these fixtures (~9e-3, `int4_*` above); the bounds keep
-/// it below a tenth, with top-1 agreeing on at least 90% of the positions.
+/// any difference is kernel arithmetic, not weight quantization. Below `W4A8_MIN_TOKENS` tokens
+/// (decode-sized calls; prompt 0 has 7) the activations are rounded to `i16` and only F32
+/// accumulation order is left (measured max |Δlogit| 8e-5–3.4e-4 on every fixture). Top-1
+/// agreement is printed, not asserted there: an argmax can only flip where the oracle's top two
+/// logits are closer than 2 × max |Δlogit| (< 4e-3), and the random fixtures have such near-ties
+/// (one flip measured, qwen3moe-tiny g256). Longer calls (prompt 1 has 33 tokens) round
+/// activations to `i8` per group: a relative error of ~1% per projection
+/// (tests/routed_experts.rs), through two layers. Measured KL 2e-5–8e-4 (max |Δlogit| ≤ 0.6), and
+/// 1.9e-3 / 3.2e-3 (max ≈ 1) on mixtral-tiny g128 / g256, whose top-2 routing amplifies small
+/// changes: the bound, 4e-3, is an eighth of what INT4 weights cost on Mixtral's fixture (~3e-2)
+/// and under half of the others' (~1e-2, `int4_*` above), with top-1 agreeing on at least 90% of
+/// the positions.
 #[test]
 fn int4_kernel_matches_dequantized_oracle_in_model() {
     for name in FIXTURES {
@@ -270,10 +309,9 @@ fn int4_kernel_matches_dequantized_oracle_in_model() {
                     m.top1
                 );
                 if a8 {
-                    assert!(m.mean_kl < 9e-4, "{name} g{g} prompt{p}: KL {}", m.mean_kl);
+                    assert!(m.mean_kl < 4e-3, "{name} g{g} prompt{p}: KL {}", m.mean_kl);
                     assert!(m.top1 >= 0.9, "{name} g{g} prompt{p}: top-1 {}", m.top1);
                 } else {
-                    assert_eq!(m.top1, 1.0, "{name} g{g} prompt{p}");
                     assert!(m.max_abs_diff < 2e-3, "{name} g{g} prompt{p}: {m:?}");
                 }
             }
@@ -338,6 +376,15 @@ fn missing_tensor_is_named() {
             "qwen2moe-tiny",
             "model.layers.1.mlp.shared_expert_gate.weight",
         ),
+        ("qwen3moe-tiny", "model.layers.1.self_attn.q_norm.weight"),
+        (
+            "mixtral-tiny",
+            "model.layers.0.block_sparse_moe.experts.5.w3.weight",
+        ),
+        (
+            "mixtral-tiny",
+            "model.layers.1.block_sparse_moe.gate.weight",
+        ),
     ] {
         let mut ts = fixture_tensors(name);
         assert!(ts.remove(missing).is_some());
@@ -348,33 +395,36 @@ fn missing_tensor_is_named() {
     }
 }
 
+/// Each fixture's family is found from `model_type`, or from `architectures` without it; a
+/// config handed to another family's port is refused. (Unsupported families: `bad_input.rs`.)
 #[test]
-fn unsupported_model_type_is_refused() {
-    let json = edit_config("olmoe-tiny", |v| v["model_type"] = "mixtral".into());
-    let msg = refused(spec_error(&json), "model_type", "mixtral");
-    assert!(msg.contains("not supported"), "{msg}");
-    // A Qwen2-MoE config handed to the OLMoE port is refused too.
+fn families_are_chosen_by_model_type_or_architecture() {
+    for (name, model_type) in FIXTURES.into_iter().zip(models::SUPPORTED_MODEL_TYPES) {
+        assert_eq!(spec_ok(&config_json(name)).model_type, model_type);
+        let json = edit_config(name, |v| {
+            v.as_object_mut().unwrap().remove("model_type");
+        });
+        assert_eq!(
+            AnyConfig::from_json_str(&json).unwrap().model_type(),
+            model_type
+        );
+    }
     let qwen = olmoe::Config::from_json_str(&config_json("qwen2moe-tiny")).unwrap();
     refused(qwen.spec().unwrap_err(), "model_type", "qwen2_moe");
-    // No model_type: the architecture decides, and an unknown one is refused.
-    let json = edit_config("qwen2moe-tiny", |v| {
-        v.as_object_mut().unwrap().remove("model_type");
-    });
-    assert_eq!(
-        AnyConfig::from_json_str(&json).unwrap().model_type(),
-        "qwen2_moe"
-    );
-    let json = edit_config("qwen2moe-tiny", |v| {
-        v.as_object_mut().unwrap().remove("model_type");
-        v["architectures"] = serde_json::json!(["MixtralForCausalLM"]);
-    });
-    refused(spec_error(&json), "architectures", "MixtralForCausalLM");
+    let olmoe_as_mixtral = mixtral::Config::from_json_str(&config_json("olmoe-tiny")).unwrap();
+    refused(olmoe_as_mixtral.spec().unwrap_err(), "model_type", "olmoe");
+    let qwen3_as_qwen2 = qwen2_moe::Config::from_json_str(&config_json("qwen3moe-tiny"));
+    // Without `shared_expert_intermediate_size` the Qwen2-MoE port cannot even parse it.
+    assert!(matches!(qwen3_as_qwen2, Err(QmoeError::InvalidFile { .. })));
 }
 
 #[test]
 fn inconsistent_configs_are_refused() {
     for name in FIXTURES {
-        let e = spec_error(&edit_config(name, |v| v["num_attention_heads"] = 3.into()));
+        let e = spec_error(&edit_config(name, |v| {
+            v["num_attention_heads"] = 3.into();
+            v["head_dim"] = serde_json::Value::Null;
+        }));
         let msg = refused(e, "num_attention_heads", "3");
         assert!(msg.contains("does not divide hidden_size"), "{msg}");
         let e = spec_error(&edit_config(name, |v| v["num_experts_per_tok"] = 9.into()));
@@ -384,21 +434,53 @@ fn inconsistent_configs_are_refused() {
         let e = spec_error(&edit_config(name, |v| v["num_key_value_heads"] = 3.into()));
         refused(e, "num_key_value_heads", "3");
         let e = spec_error(&edit_config(name, |v| {
-            v["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0})
-        }));
-        refused(e, "rope_type", "yarn");
-        let e = spec_error(&edit_config(name, |v| {
             v.as_object_mut().unwrap().remove("hidden_size");
         }));
         assert!(
             matches!(&e, QmoeError::InvalidFile { reason, .. } if reason.contains("hidden_size")),
             "{e}"
         );
+        // RoPE scaling is not implemented: every family refuses it the same way, naming the type
+        // (or `rope_scaling` when it names none); `null` and `default` are plain RoPE.
+        for (scaling, field, value) in [
+            (
+                json!({"rope_type": "yarn", "factor": 4.0}),
+                "rope_type",
+                "yarn",
+            ),
+            (
+                json!({"type": "linear", "factor": 2.0}),
+                "rope_type",
+                "linear",
+            ),
+            (json!({"factor": 2.0}), "rope_scaling", r#"{"factor":2.0}"#),
+        ] {
+            let e = spec_error(&edit_config(name, |v| v["rope_scaling"] = scaling));
+            let msg = refused(e, field, value);
+            assert!(msg.contains("only the default RoPE"), "{msg}");
+        }
+        let e = spec_error(&edit_config(name, |v| {
+            v["rope_parameters"] = json!({"rope_type": "llama3", "rope_theta": 5e5})
+        }));
+        refused(e, "rope_type", "llama3");
+        for scaling in [json!(null), json!({"rope_type": "default"})] {
+            spec_ok(&edit_config(name, |v| v["rope_scaling"] = scaling));
+        }
     }
-    let e = spec_error(&edit_config("qwen2moe-tiny", |v| {
-        v["decoder_sparse_step"] = 0.into()
+    for name in ["qwen2moe-tiny", "qwen3moe-tiny"] {
+        let e = spec_error(&edit_config(name, |v| v["decoder_sparse_step"] = 0.into()));
+        refused(e, "decoder_sparse_step", "0");
+        let e = spec_error(&edit_config(name, |v| {
+            v["use_sliding_window"] = true.into()
+        }));
+        refused(e, "use_sliding_window", "true");
+    }
+    // Mixtral has no switch: a sliding window is on whenever it is set.
+    let e = spec_error(&edit_config("mixtral-tiny", |v| {
+        v["sliding_window"] = 4096.into()
     }));
-    refused(e, "decoder_sparse_step", "0");
+    let msg = refused(e, "sliding_window", "4096");
+    assert!(msg.contains("only full attention"), "{msg}");
 }
 
 #[test]
@@ -407,8 +489,7 @@ fn config_spellings_and_defaults() {
         // The newer `rope_parameters.rope_theta` spelling.
         let json = edit_config(name, |v| {
             v.as_object_mut().unwrap().remove("rope_theta");
-            v["rope_parameters"] =
-                serde_json::json!({"rope_theta": 5000.0, "rope_type": "default"});
+            v["rope_parameters"] = json!({"rope_theta": 5000.0, "rope_type": "default"});
         });
         assert_eq!(spec_ok(&json).rope_theta, 5000.0);
         // Absent num_key_value_heads = num_attention_heads; GQA otherwise.
@@ -418,62 +499,135 @@ fn config_spellings_and_defaults() {
         assert_eq!(spec_ok(&json).num_kv_heads, 4);
         let json = edit_config(name, |v| v["num_key_value_heads"] = 2.into());
         assert_eq!(spec_ok(&json).num_kv_heads, 2);
+        // The expert count as `num_experts` (hub configs) or `num_local_experts` (Mixtral,
+        // transformers 5).
+        let spec = spec_ok(&config_json(name));
+        for key in ["num_experts", "num_local_experts"] {
+            let json = edit_config(name, |v| {
+                let o = v.as_object_mut().unwrap();
+                let n = o.remove("num_experts").or(o.remove("num_local_experts"));
+                o.insert(key.into(), n.unwrap());
+            });
+            assert_eq!(spec_ok(&json), spec, "{name}: {key}");
+        }
     }
     let spec = spec_ok(&config_json("olmoe-tiny"));
-    assert!(
-        spec.attention.qk_norm && !spec.attention.qkv_bias && spec.attention.clip_qkv.is_none()
-    );
+    let a = &spec.attention;
+    assert!(a.qk_norm == QkNorm::Projection && !a.qkv_bias && a.clip_qkv.is_none());
+    assert_eq!(spec.qk_norm_sizes(), Some((256, 256)));
     let json = edit_config("olmoe-tiny", |v| v["clip_qkv"] = 8.0.into());
     let spec = spec_ok(&json);
     assert_eq!(spec.attention.clip_qkv, Some(8.0));
-    // Qwen2-MoE: mlp_only_layers and decoder_sparse_step choose the dense layers.
     let spec = spec_ok(&config_json("qwen2moe-tiny"));
-    assert!(spec.attention.qkv_bias && !spec.attention.o_bias && !spec.attention.qk_norm);
-    assert_eq!(spec.moe_layers(), vec![0, 1]);
-    let json = edit_config("qwen2moe-tiny", |v| {
-        v["num_hidden_layers"] = 6.into();
-        v["decoder_sparse_step"] = 2.into();
-        v["mlp_only_layers"] = serde_json::json!([3]);
+    let a = &spec.attention;
+    assert!(a.qkv_bias && !a.o_bias && a.qk_norm == QkNorm::None);
+    // Qwen2-MoE and Qwen3-MoE: mlp_only_layers and decoder_sparse_step choose the dense layers,
+    // by the same rule.
+    for (name, dense) in [("qwen2moe-tiny", 512), ("qwen3moe-tiny", 384)] {
+        assert_eq!(spec_ok(&config_json(name)).moe_layers(), vec![0, 1]);
+        let json = edit_config(name, |v| {
+            v["num_hidden_layers"] = 6.into();
+            v["decoder_sparse_step"] = 2.into();
+            v["mlp_only_layers"] = json!([3]);
+        });
+        let spec = spec_ok(&json);
+        assert_eq!(spec.moe_layers(), vec![1, 5], "{name}");
+        let intermediate_size = dense;
+        assert_eq!(spec.layers[0], FfnSpec::Dense { intermediate_size });
+    }
+    // Qwen3-MoE: per-head q/k norm, an explicit head_dim (4 × 96 ≠ hidden 256), no shared
+    // expert, `norm_topk_prob` as given, `attention_bias` on all four projections.
+    let spec = spec_ok(&config_json("qwen3moe-tiny"));
+    assert_eq!(
+        (spec.head_dim, spec.attention.qk_norm),
+        (96, QkNorm::PerHead)
+    );
+    assert_eq!(spec.qk_norm_sizes(), Some((96, 96)));
+    let moe = spec.uniform_moe().unwrap();
+    assert!(moe.norm_topk_prob && moe.shared_intermediate_size.is_none());
+    assert_eq!((moe.intermediate_size, moe.names), (128, MoeNames::MLP));
+    assert!(!spec.attention.qkv_bias && !spec.attention.o_bias);
+    let json = edit_config("qwen3moe-tiny", |v| {
+        v["norm_topk_prob"] = false.into();
+        v["attention_bias"] = true.into();
     });
     let spec = spec_ok(&json);
-    assert_eq!(spec.moe_layers(), vec![1, 5]);
+    assert!(!spec.uniform_moe().unwrap().norm_topk_prob);
+    assert!(spec.attention.qkv_bias && spec.attention.o_bias);
+    // Mixtral: `head_dim: null` is hidden / heads, its own tensor names, and the softmax over
+    // the chosen experts (renormalised top-k) whatever `norm_topk_prob` says.
+    let spec = spec_ok(&config_json("mixtral-tiny"));
+    assert_eq!((spec.head_dim, spec.num_kv_heads), (64, 2));
+    let moe = spec.uniform_moe().unwrap();
+    assert_eq!((moe.top_k, moe.intermediate_size), (2, 192));
+    assert!(moe.norm_topk_prob && moe.names == MoeNames::MIXTRAL);
+    let json = edit_config("mixtral-tiny", |v| v["norm_topk_prob"] = false.into());
+    assert!(spec_ok(&json).uniform_moe().unwrap().norm_topk_prob);
     assert_eq!(
-        spec.layers[0],
-        models::FfnSpec::Dense {
-            intermediate_size: 512
-        }
+        MoeNames::MIXTRAL.expert_weights(1, 7),
+        [
+            "model.layers.1.block_sparse_moe.experts.7.w1.weight",
+            "model.layers.1.block_sparse_moe.experts.7.w3.weight",
+            "model.layers.1.block_sparse_moe.experts.7.w2.weight",
+        ]
     );
 }
 
-/// A Qwen2-MoE whose layer 1 is dense (`mlp_only_layers`) loads the dense MLP weights there and
-/// only one layer's router logits come back.
+/// A Qwen2-MoE or Qwen3-MoE whose layer 1 is dense (`mlp_only_layers`) loads the dense MLP
+/// weights there and only one layer's router logits come back.
 #[test]
-fn qwen2moe_mlp_only_layers_use_dense_mlp() {
-    let name = "qwen2moe-tiny";
-    let json = edit_config(name, |v| v["mlp_only_layers"] = serde_json::json!([1]));
-    let cfg = qwen2_moe::Config::from_json_str(&json).unwrap();
-    let mut ts = fixture_tensors(name);
-    ts.retain(|k, _| !k.starts_with("model.layers.1.mlp."));
-    let mut missing = ts.clone();
-    let vb = VarBuilder::from_tensors(missing.clone(), DType::F32, &Device::Cpu);
-    let msg = err_string(qwen2_moe::Model::new(&cfg, vb, &ExpertsBackend::Dense));
-    assert!(msg.contains("model.layers.1.mlp.gate_proj.weight"), "{msg}");
-    for (proj, shape) in [
-        ("gate_proj", (512, 256)),
-        ("up_proj", (512, 256)),
-        ("down_proj", (256, 512)),
-    ] {
-        let w = Tensor::randn(0f32, 0.02, shape, &Device::Cpu).unwrap();
-        missing.insert(format!("model.layers.1.mlp.{proj}.weight"), w);
+fn qwen_mlp_only_layers_use_dense_mlp() {
+    for (name, inter) in [("qwen2moe-tiny", 512), ("qwen3moe-tiny", 384)] {
+        let json = edit_config(name, |v| v["mlp_only_layers"] = json!([1]));
+        let cfg = AnyConfig::from_json_str(&json).unwrap();
+        let mut ts = fixture_tensors(name);
+        ts.retain(|k, _| !k.starts_with("model.layers.1.mlp."));
+        let vb = VarBuilder::from_tensors(ts.clone(), DType::F32, &Device::Cpu);
+        let msg = err_string(MoeForCausalLm::new(&cfg, vb, &ExpertsBackend::Dense));
+        assert!(msg.contains("model.layers.1.mlp.gate_proj.weight"), "{msg}");
+        for (proj, shape) in [
+            ("gate_proj", (inter, 256)),
+            ("up_proj", (inter, 256)),
+            ("down_proj", (256, inter)),
+        ] {
+            let w = Tensor::randn(0f32, 0.02, shape, &Device::Cpu).unwrap();
+            ts.insert(format!("model.layers.1.mlp.{proj}.weight"), w);
+        }
+        let vb = VarBuilder::from_tensors(ts, DType::F32, &Device::Cpu);
+        let mut model = MoeForCausalLm::new(&cfg, vb, &ExpertsBackend::Dense).unwrap();
+        let (logits, routers) = model
+            .forward_all_with_router_logits(&row_tensor(&[1, 2, 3]), 0)
+            .unwrap();
+        assert_eq!(logits.dims(), &[1, 3, 512]);
+        assert_eq!(routers.len(), 1);
+        assert_eq!(routers[0].dims(), &[1, 3, 8]);
     }
-    let vb = VarBuilder::from_tensors(missing, DType::F32, &Device::Cpu);
-    let mut model = qwen2_moe::Model::new(&cfg, vb, &ExpertsBackend::Dense).unwrap();
-    let (logits, routers) = model
-        .forward_all_with_router_logits(&row_tensor(&[1, 2, 3]), 0)
-        .unwrap();
-    assert_eq!(logits.dims(), &[1, 3, 512]);
-    assert_eq!(routers.len(), 1);
-    assert_eq!(routers[0].dims(), &[1, 3, 8]);
+}
+
+/// With `tie_word_embeddings` the head is `embed_tokens` and no `lm_head.weight` is read: the
+/// logits are those of the untied model whose `lm_head` is a copy of the embeddings.
+#[test]
+fn tied_embeddings_share_the_head() {
+    for name in FIXTURES {
+        let mut ts = fixture_tensors(name);
+        let embeddings = ts["model.embed_tokens.weight"].clone();
+        ts.insert("lm_head.weight".into(), embeddings);
+        let vb = VarBuilder::from_tensors(ts.clone(), DType::F32, &Device::Cpu);
+        let untied = AnyConfig::from_json_str(&config_json(name)).unwrap();
+        let mut copy = MoeForCausalLm::new(&untied, vb, &ExpertsBackend::Dense).unwrap();
+        ts.remove("lm_head.weight");
+        let vb = VarBuilder::from_tensors(ts, DType::F32, &Device::Cpu);
+        let json = edit_config(name, |v| v["tie_word_embeddings"] = true.into());
+        let tied = AnyConfig::from_json_str(&json).unwrap();
+        assert!(tied.spec().unwrap().tie_word_embeddings);
+        let mut model = MoeForCausalLm::new(&tied, vb, &ExpertsBackend::Dense).unwrap();
+        let ids = row_tensor(&[3, 1, 4, 1, 5, 9, 2, 6]);
+        let d = max_abs_diff(
+            &model.forward_all(&ids, 0).unwrap(),
+            &copy.forward_all(&ids, 0).unwrap(),
+        );
+        assert_eq!(d, 0.0, "{name}");
+    }
 }
 
 #[test]
@@ -594,7 +748,7 @@ fn sharded_checkpoint_matches_single_file() {
     }
     candle::safetensors::save(&a, dir.join("model-00001-of-00002.safetensors")).unwrap();
     candle::safetensors::save(&b, dir.join("model-00002-of-00002.safetensors")).unwrap();
-    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    let index = json!({"metadata": {}, "weight_map": weight_map});
     std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
     assert_eq!(models::checkpoint_files(&dir).unwrap().len(), 2);
 
@@ -622,7 +776,13 @@ fn sharded_checkpoint_matches_single_file() {
 /// Batched prefill and chunked prefill with the KV cache agree with one-sequence full forwards.
 #[test]
 fn batch_and_chunked_prefill_match() {
-    let mut model = load_any("olmoe-tiny", &ExpertsBackend::Dense);
+    for name in FIXTURES {
+        batch_and_chunked_prefill(name);
+    }
+}
+
+fn batch_and_chunked_prefill(name: &str) {
+    let mut model = load_any(name, &ExpertsBackend::Dense);
     let (x, y) = ([7u32, 8, 9, 10, 11, 12], [100u32, 3, 250, 17, 4, 42]);
     let full_x = model.forward_all(&row_tensor(&x), 0).unwrap();
     model.clear_kv_cache();
@@ -647,22 +807,24 @@ fn batch_and_chunked_prefill_match() {
 /// The BF16 compute path (what `generate` uses on real models) runs end to end with both
 /// backends and stays close to the float32 golden.
 ///
-/// Measured on prompt1: dense BF16 top-1 0.89–0.95, mean KL 2e-4–9e-4, max |Δlogit| 0.26–0.61;
-/// away from router flips the logits move by only 0.02–0.08 (BF16 rounding), and the large
-/// deviations sit exactly at the 1–2 tokens whose 4th and 5th experts nearly tie and swap in BF16.
-/// INT4 in BF16 measured like INT4 in F32 (top-1 0.75–0.77, KL 8e-3–1e-2, max 0.64–0.93). The
-/// bounds keep about 2× headroom over those.
+/// Measured on prompt1 (BF16 weights, F32 activations on the CPU): dense top-1 0.98–1.0, mean KL
+/// 7e-6–1.6e-5, max |Δlogit| 0.02–0.03 (BF16 rounding of what transformers computes in F32 from
+/// the same BF16 values, at a near-tie or two). INT4 in BF16 measures as INT4 in F32 (top-1
+/// 0.70–0.79, KL 8e-3–2.7e-2, max 0.63–1.77), so it shares the INT4 bounds of
+/// `int4_experts_track_transformers`; the dense bounds (top-1 ≥ 0.8, KL ≤ 3e-3) are loose, as
+/// the dense path's exactness is asserted in F32.
 #[test]
 fn bf16_compute_tracks_transformers() {
     for name in FIXTURES {
         let golden = golden_prompts(name);
         let cfg = AnyConfig::from_file(fixture_dir(name).join("config.json")).unwrap();
-        for (backend, min_top1, max_kl) in [
-            (ExpertsBackend::Dense, 0.8, 3e-3),
+        for (backend, min_top1, max_kl, max_abs) in [
+            (ExpertsBackend::Dense, 0.8, 3e-3, 1.5),
             (
                 ExpertsBackend::int4(GroupSize::new(128).unwrap()),
-                0.6,
-                2e-2,
+                INT4_MIN_TOP1,
+                INT4_MAX_MEAN_KL,
+                INT4_MAX_ABS,
             ),
         ] {
             let vb =
@@ -683,7 +845,7 @@ fn bf16_compute_tracks_transformers() {
                 f.mean_kl
             );
             assert!(
-                f.max_abs_diff <= 1.5,
+                f.max_abs_diff <= max_abs,
                 "{name} {backend:?}: max |Δlogit| {}",
                 f.max_abs_diff
             );
@@ -695,11 +857,15 @@ fn bf16_compute_tracks_transformers() {
 /// activations) against the same model in BF16, on every fixture prompt: the KL it adds is
 /// reported here and bounded, and the bytes per token shrink.
 ///
-/// Measured (KL(bf16 ‖ int8), nats): olmoe-tiny 2.2e-4 and 5.4e-4, qwen2moe-tiny 2.2e-4 and
-/// 6.4e-4, max |Δlogit| ≤ 0.41 — a tenth of what INT4 experts add (5e-3 to
-/// 9e-3). The random fixtures' near-tied logits flip the argmax at a few positions (top-1
-/// 0.86–1.0; one flip in a 7-token prompt is 0.857). Bounds: KL ≤ 2e-3, top-1 ≥ 0.8,
-/// max |Δlogit| ≤ 1.
+/// Measured (KL(bf16 ‖ int8), nats, prompt0 and prompt1; BF16 KV cache): olmoe-tiny 1.5e-3 and
+/// 5.5e-4, qwen2moe-tiny 2.3e-4 and 7.4e-4, max |Δlogit| ≤ 0.41; qwen3moe-tiny 2.3e-3 and
+/// 3.0e-3, max |Δlogit| 0.49 and 0.88, where the INT8 noise swaps near-tied experts at the edge
+/// of the top-4 (its router agreement with the golden drops to 0.86–0.93); mixtral-tiny 7.0e-3
+/// and 2.7e-3, max |Δlogit| 1.16 and 1.36, where its top-2 routing flips on near-ties (with an
+/// F32 KV cache the same prompts give 1.5e-4 and 3.2e-4: which tokens sit on a near-tie is
+/// chaotic in these random models). All under what INT4 experts add (8e-3 to 3e-2). The random
+/// fixtures' near-tied logits flip the argmax at a few positions (top-1 0.86–1.0; one flip in a
+/// 7-token prompt is 0.857). Bounds: KL ≤ 1e-2, top-1 ≥ 0.8, max |Δlogit| ≤ 1.5.
 #[test]
 fn int8_dense_weights_track_bf16() {
     for name in FIXTURES {
@@ -731,10 +897,10 @@ fn int8_dense_weights_track_bf16() {
                 "{name} prompt{p}: int8 vs bf16 {agreement:?} | int8 vs transformers {}",
                 describe(&f)
             );
-            assert!(agreement.mean_kl <= 2e-3, "{name} prompt{p}: {agreement:?}");
+            assert!(agreement.mean_kl <= 1e-2, "{name} prompt{p}: {agreement:?}");
             assert!(agreement.top1 >= 0.8, "{name} prompt{p}: {agreement:?}");
             assert!(
-                agreement.max_abs_diff <= 1.0,
+                agreement.max_abs_diff <= 1.5,
                 "{name} prompt{p}: {agreement:?}"
             );
         }

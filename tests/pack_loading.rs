@@ -13,9 +13,7 @@ use candle_qmoe::models::{
 use candle_qmoe::pack::{GroupSize, LayerPack, PackFile, PackMeta};
 use candle_qmoe::synthetic::{SyntheticKind, SyntheticModel};
 use candle_qmoe::QmoeError;
-use candle_qmoe_suite::testing::fixture_dir;
-
-const FIXTURES: [&str; 2] = ["olmoe-tiny", "qwen2moe-tiny"];
+use candle_qmoe_suite::testing::{fixture_dir, FIXTURES};
 
 fn temp_dir(tag: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("qmoe-pack-{tag}-{}", std::process::id()));

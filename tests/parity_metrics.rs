@@ -8,7 +8,7 @@ use candle::{DType, Device, Tensor};
 use candle_qmoe::models::{self, AnyConfig, ExpertsBackend, MoeForCausalLm};
 use candle_qmoe::parity::{compare, logit_agreement, router_agreement, Golden};
 use candle_qmoe::QmoeError;
-use candle_qmoe_suite::testing::fixture_dir;
+use candle_qmoe_suite::testing::{fixture_dir, FIXTURES};
 
 #[test]
 fn logit_agreement_arithmetic() {
@@ -86,7 +86,7 @@ fn golden_files_are_checked() {
 /// argmax, every greedy token and every router top-k set.
 #[test]
 fn dense_f32_parity_numbers_are_perfect() {
-    for name in ["olmoe-tiny", "qwen2moe-tiny"] {
+    for name in FIXTURES {
         let dir = fixture_dir(name);
         let cfg = AnyConfig::from_file(dir.join("config.json")).unwrap();
         let vb = unsafe { models::mmap_checkpoint(&dir, DType::F32, &Device::Cpu) }.unwrap();

@@ -10,7 +10,7 @@ use candle_qmoe::plan::{
 use candle_qmoe::residency::Resident;
 use candle_qmoe::synthetic::SyntheticKind;
 use candle_qmoe::QmoeError;
-use candle_qmoe_suite::testing::fixture_dir;
+use candle_qmoe_suite::testing::{fixture_dir, FIXTURES};
 
 const MIB: u64 = 1 << 20;
 
@@ -317,6 +317,32 @@ fn real_model_configs_match_synthetic_shapes() {
     }
 }
 
+/// For every family the predicted non-expert weights are the checkpoint's tensors other than
+/// the routed experts (whatever the family calls them: per-head q/k norms, Mixtral's
+/// `block_sparse_moe`, shared experts), counted from the safetensors header, plus the two RoPE
+/// tables `[max_position_embeddings, head_dim / 2]`, all in BF16.
+#[test]
+fn non_expert_weights_are_the_checkpoints_tensors() {
+    for fixture in FIXTURES {
+        let s = spec(fixture);
+        let file = std::fs::read(fixture_dir(fixture).join("model.safetensors")).unwrap();
+        let (_, header) = safetensors::SafeTensors::read_metadata(&file).unwrap();
+        let stored: usize = header
+            .tensors()
+            .iter()
+            .filter(|(name, _)| !name.contains(".experts."))
+            .map(|(_, t)| t.shape.iter().product::<usize>())
+            .sum();
+        let rope = s.max_position_embeddings * s.head_dim;
+        let plan = Plan::new(&s, &PlanOptions::new(Target::Cpu)).unwrap();
+        assert_eq!(
+            bytes(&plan, Component::NonExpertWeights),
+            x(2 * (stored + rope) as u64),
+            "{fixture}"
+        );
+    }
+}
+
 #[test]
 fn real_models_non_expert_weights_and_slabs() {
     let opts = PlanOptions {
@@ -604,7 +630,7 @@ fn fit_reduces_the_context_only_when_allowed() {
 #[test]
 fn bad_configs_are_clear_errors() {
     let mut cfg = SyntheticKind::Tiny.config_json();
-    cfg["model_type"] = "mixtral".into();
+    cfg["model_type"] = "deepseek_v3".into();
     let err = AnyConfig::from_json_str(&cfg.to_string()).unwrap_err();
     assert!(err.to_string().contains("not supported"), "{err}");
     let mut cfg = SyntheticKind::Tiny.config_json();

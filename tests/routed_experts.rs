@@ -6,7 +6,7 @@
 
 use candle::{Device, Tensor};
 use candle_qmoe::kernels::cpu::{CpuIsa, W4A8_MIN_TOKENS};
-use candle_qmoe::pack::{ExpertLayout, GroupSize, LayerPack, ScaleSearch};
+use candle_qmoe::pack::{ExpertLayout, ExpertNames, GroupSize, LayerPack, ScaleSearch};
 use candle_qmoe::{DenseExperts, Int4Experts, QmoeError, RoutedExperts};
 use candle_qmoe_suite::testing::{
     isa_trials, random_experts, random_routing, reference_f64, reference_f64_rounding_acts,
@@ -124,7 +124,14 @@ fn inputs(case: &Case, seed: u64) -> Inputs {
         intermediate: case.inter,
         group_size: GroupSize::new(case.group).unwrap(),
     };
-    let pack = LayerPack::quantize("layer", &experts, layout, ScaleSearch::Mse).unwrap();
+    let pack = LayerPack::quantize(
+        "layer",
+        ExpertNames::PROJ,
+        &experts,
+        layout,
+        ScaleSearch::Mse,
+    )
+    .unwrap();
     let deq = pack
         .dequantize_experts(candle::DType::F32, &Device::Cpu)
         .unwrap();
@@ -259,8 +266,9 @@ fn bad_routing_is_a_clear_error() {
         intermediate: 32,
         group_size: GroupSize::default(),
     };
-    let int4 =
-        Int4Experts::new(LayerPack::quantize("l", &experts, layout, ScaleSearch::Rtn).unwrap());
+    let int4 = Int4Experts::new(
+        LayerPack::quantize("l", ExpertNames::PROJ, &experts, layout, ScaleSearch::Rtn).unwrap(),
+    );
     let dev = Device::Cpu;
     let xs = Tensor::ones((2, 64), candle::DType::F32, &dev).unwrap();
     let w = Tensor::ones((2, 2), candle::DType::F32, &dev).unwrap();
@@ -299,7 +307,14 @@ fn bad_routing_is_a_clear_error() {
     // Mismatched expert shapes name the tensor.
     let mut bad = random_experts(&mut rng, 2, 64, 32);
     bad[1].up = Tensor::ones((31, 64), candle::DType::F32, &dev).unwrap();
-    let e = LayerPack::quantize("model.layers.0.mlp", &bad, layout, ScaleSearch::Mse).unwrap_err();
+    let e = LayerPack::quantize(
+        "model.layers.0.mlp",
+        ExpertNames::PROJ,
+        &bad,
+        layout,
+        ScaleSearch::Mse,
+    )
+    .unwrap_err();
     assert!(
         matches!(&e, QmoeError::ShapeMismatch { tensor, got, .. }
             if tensor == "model.layers.0.mlp.experts.1.up_proj.weight" && got == &[31, 64]),

@@ -248,10 +248,11 @@ fn the_streaming_quantizer_writes_the_packs_of_the_other_quantizers() {
             let layer = streamed.layer(i).unwrap();
             assert_eq!(layer.bytes(), in_memory.layer(i).unwrap().bytes());
             // Load-time quantization reads the experts through Candle instead.
-            let vb = vb.pp(format!("model.layers.{i}.mlp"));
-            let (h, n) = (layout.hidden, moe.num_experts);
-            let dense = SparseMoe::load_dense_experts(h, layout.intermediate, n, vb).unwrap();
-            let at_load = LayerPack::quantize("l", &dense, layout, search).unwrap();
+            let vb = vb.pp(moe.names.block_prefix(i));
+            let (h, n, names) = (layout.hidden, moe.num_experts, moe.names.experts);
+            let dense =
+                SparseMoe::load_dense_experts(h, layout.intermediate, n, names, vb).unwrap();
+            let at_load = LayerPack::quantize("l", names, &dense, layout, search).unwrap();
             assert_eq!(layer.bytes(), at_load.bytes());
             assert_eq!(
                 layer.checksums(),

@@ -3,7 +3,7 @@
 
 use candle::{DType, Device};
 use candle_qmoe::generation::{argmax, generate, Generation, StopReason};
-use candle_qmoe::models::MoeForCausalLm;
+use candle_qmoe::models::{MoeForCausalLm, QkNorm};
 use candle_qmoe::pack::GroupSize;
 use candle_qmoe::parity::logit_agreement;
 use candle_qmoe::synthetic::{SyntheticKind, SyntheticModel};
@@ -209,7 +209,11 @@ fn bf16_weights_track_the_f32_path_and_count_their_bytes() {
             let candle_qmoe::models::FfnSpec::Moe(m) = l else {
                 panic!("the tiny model is all MoE")
             };
-            let qk_norm = if spec.attention.qk_norm { q + kv } else { 0 };
+            let qk_norm = match spec.attention.qk_norm {
+                QkNorm::Projection => q + kv,
+                QkNorm::PerHead => 2 * spec.head_dim,
+                QkNorm::None => 0,
+            };
             // Norm weights are kept in the activations' dtype (F32), projections in BF16.
             4 * (2 * h + qk_norm)
                 + 2 * (h * (q + 2 * kv) + q * h + m.num_experts * h)

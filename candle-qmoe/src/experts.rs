@@ -80,13 +80,13 @@ impl DenseExperts {
         let (i, h) = first.gate.dims2()?;
         for (e, x) in experts.iter().enumerate() {
             for (name, t, want) in [
-                ("gate_proj", &x.gate, [i, h]),
-                ("up_proj", &x.up, [i, h]),
-                ("down_proj", &x.down, [h, i]),
+                ("gate", &x.gate, [i, h]),
+                ("up", &x.up, [i, h]),
+                ("down", &x.down, [h, i]),
             ] {
                 if t.dims() != want {
                     return Err(QmoeError::ShapeMismatch {
-                        tensor: format!("experts.{e}.{name}.weight"),
+                        tensor: format!("expert {e} {name} projection"),
                         got: t.dims().to_vec(),
                         expected: want.to_vec(),
                     }

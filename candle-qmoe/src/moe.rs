@@ -10,7 +10,7 @@ use candle::{DType, Module, Tensor, D};
 use candle_nn::VarBuilder;
 
 use crate::mlp::GatedMlp;
-use crate::pack::DenseExpert;
+use crate::pack::{DenseExpert, ExpertNames};
 use crate::{DenseLinear, QmoeError, RoutedExperts};
 
 /// The routing decision for a batch of tokens.
@@ -112,7 +112,7 @@ impl SparseMoe {
         let want = (e, experts.hidden_size());
         if router.dims() != want {
             return Err(QmoeError::ShapeMismatch {
-                tensor: "router (mlp.gate.weight)".into(),
+                tensor: "router (gate.weight)".into(),
                 got: vec![router.dims().0, router.dims().1],
                 expected: vec![want.0, want.1],
             }
@@ -169,32 +169,35 @@ impl SparseMoe {
         DenseLinear::load_no_bias(hidden, num_experts, vb.pp("gate"))
     }
 
-    /// Loads the dense weights of experts `experts.{e}.{gate,up,down}_proj` from the MoE block's
-    /// VarBuilder.
+    /// Loads the dense weights of the experts `experts.{e}.{gate,up,down}.weight` (with the
+    /// projections' `names`) from the MoE block's VarBuilder.
     pub fn load_dense_experts(
         hidden: usize,
         intermediate: usize,
         num_experts: usize,
+        names: ExpertNames,
         vb: VarBuilder,
     ) -> candle::Result<Vec<DenseExpert>> {
         (0..num_experts)
-            .map(|e| Self::load_dense_expert(hidden, intermediate, e, vb.clone()))
+            .map(|e| Self::load_dense_expert(hidden, intermediate, e, names, vb.clone()))
             .collect()
     }
 
-    /// Loads the dense weights of expert `e` (`experts.{e}.{gate,up,down}_proj`) from the MoE
-    /// block's VarBuilder.
+    /// Loads the dense weights of expert `e` (`experts.{e}.{gate,up,down}.weight`, with the
+    /// projections' `names`) from the MoE block's VarBuilder.
     pub fn load_dense_expert(
         hidden: usize,
         intermediate: usize,
         e: usize,
+        names: ExpertNames,
         vb: VarBuilder,
     ) -> candle::Result<DenseExpert> {
         let vb = vb.pp("experts").pp(e);
+        let get = |proj: &str, shape: (usize, usize)| vb.pp(proj).get(shape, "weight");
         Ok(DenseExpert {
-            gate: vb.get((intermediate, hidden), "gate_proj.weight")?,
-            up: vb.get((intermediate, hidden), "up_proj.weight")?,
-            down: vb.get((hidden, intermediate), "down_proj.weight")?,
+            gate: get(names.gate, (intermediate, hidden))?,
+            up: get(names.up, (intermediate, hidden))?,
+            down: get(names.down, (hidden, intermediate))?,
         })
     }
 

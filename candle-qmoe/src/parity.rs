@@ -13,7 +13,7 @@ use std::path::Path;
 use candle::{DType, Device, Tensor};
 
 use crate::generation::{argmax, generate};
-use crate::models::{FfnSpec, MoeForCausalLm};
+use crate::models::MoeForCausalLm;
 use crate::QmoeError;
 
 /// One prompt of a golden file.
@@ -292,15 +292,7 @@ pub fn compare_prompt(
     let router_agreement = match &golden.router_logits {
         None => None,
         Some(g) => {
-            let top_k: Vec<usize> = model
-                .spec()
-                .layers
-                .iter()
-                .filter_map(|l| match l {
-                    FfnSpec::Moe(m) => Some(m.top_k),
-                    FfnSpec::Dense { .. } => None,
-                })
-                .collect();
+            let top_k: Vec<usize> = model.spec().moe_blocks().map(|(_, m)| m.top_k).collect();
             let ours = routers
                 .iter()
                 .map(|r| r.squeeze(0)?.narrow(0, 0, len)?.to_device(&Device::Cpu))

@@ -1,4 +1,4 @@
-//! The model trunk both ports share: embeddings, decoder layers, final norm and `lm_head`.
+//! The model trunk every port shares: embeddings, decoder layers, final norm and `lm_head`.
 
 use std::sync::Arc;
 
@@ -13,10 +13,11 @@ use super::layers::{
 use crate::linear::{activation_dtype, DenseLinear};
 use crate::{QmoeError, SparseMoe};
 
-/// A decoder-only MoE causal LM (OLMoE or Qwen2-MoE layout) with a KV cache.
+/// A decoder-only MoE causal LM (the layout of OLMoE, Qwen2-MoE, Qwen3-MoE and Mixtral) with a
+/// KV cache.
 ///
 /// Weights use the Hugging Face names (`model.embed_tokens`, `model.layers.{i}.*`, `model.norm`,
-/// `lm_head`) and are kept in the VarBuilder's dtype; activations are in [`activation_dtype`] of
+/// `lm_head`, absent when `tie_word_embeddings` makes it `embed_tokens`) and are kept in the VarBuilder's dtype; activations are in [`activation_dtype`] of
 /// it (on the CPU, BF16 weights compute with F32 activations). MoE blocks are [`SparseMoe`] with
 /// the routed experts an [`ExpertsLoader`] provides. Logits are returned in F32.
 #[derive(Clone, Debug)]

@@ -152,11 +152,6 @@ impl SimpleBackend for NamedCheckpoint {
     }
 }
 
-/// The name of the router weight of decoder layer `layer`.
-pub fn router_weight_name(layer: usize) -> String {
-    format!("model.layers.{layer}.mlp.gate.weight")
-}
-
 /// The fingerprint a `.qmoe` pack records of its source (see
 /// [`crate::pack::file::checkpoint_fingerprint`]): `config.json`'s bytes and the raw stored bytes of
 /// every MoE layer's router weight, so a pack is tied to this checkpoint and no other.
@@ -168,9 +163,8 @@ pub fn fingerprint(dir: impl AsRef<Path>) -> crate::Result<String> {
     // SAFETY: read-only maps, dropped before returning; the same contract as `mmap_checkpoint`.
     let st = unsafe { CheckpointTensors::open(dir)? };
     let routers = spec
-        .moe_layers()
-        .into_iter()
-        .map(|i| Ok(st.get(&router_weight_name(i))?.data))
+        .moe_blocks()
+        .map(|(i, m)| Ok(st.get(&m.names.router_weight(i))?.data))
         .collect::<crate::Result<Vec<_>>>()?;
     Ok(checkpoint_fingerprint(config.as_bytes(), routers))
 }

@@ -1,11 +1,12 @@
-//! The architecture both ports share, in one vocabulary: [`ModelSpec`].
+//! The architecture every port shares, in one vocabulary: [`ModelSpec`].
 //!
-//! Each port's `Config` reads a Hugging Face `config.json` (fields common to both families live
+//! Each port's `Config` reads a Hugging Face `config.json` (fields common to all families live
 //! in [`CommonConfig`], flattened into each port's struct) and maps it onto a [`ModelSpec`], which
 //! is validated once here and drives the shared trunk ([`super::MoeForCausalLm`]).
 
 use serde::{Deserialize, Serialize};
 
+use crate::pack::ExpertNames;
 use crate::QmoeError;
 
 /// Something that describes a model the shared trunk can build: the ports' `Config`s,
@@ -15,17 +16,84 @@ pub trait ModelConfig {
     fn spec(&self) -> crate::Result<ModelSpec>;
 }
 
+/// Where the q and k RMSNorm of attention applies, if anywhere.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum QkNorm {
+    /// No q/k norm (Qwen2-MoE, Mixtral).
+    #[default]
+    None,
+    /// Over the full q and k projections, before the heads are split (OLMoE): weights
+    /// `[heads · head_dim]` and `[kv_heads · head_dim]`.
+    Projection,
+    /// Over each head's `head_dim` values, one weight `[head_dim]` shared by all heads (Qwen3-MoE).
+    PerHead,
+}
+
 /// Attention options that differ between the families.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AttentionSpec {
-    /// Bias on `q_proj`, `k_proj` and `v_proj` (Qwen2-MoE; OLMoE's `attention_bias`).
+    /// Bias on `q_proj`, `k_proj` and `v_proj` (Qwen2-MoE; OLMoE's and Qwen3-MoE's
+    /// `attention_bias`).
     pub qkv_bias: bool,
-    /// Bias on `o_proj` (OLMoE's `attention_bias`; never for Qwen2-MoE).
+    /// Bias on `o_proj` (OLMoE's and Qwen3-MoE's `attention_bias`; never for Qwen2-MoE).
     pub o_bias: bool,
-    /// RMSNorm over the full q and k projections, before the heads are split (OLMoE).
-    pub qk_norm: bool,
+    /// The RMSNorm of q and k before RoPE (`self_attn.{q,k}_norm`).
+    pub qk_norm: QkNorm,
     /// Clamp q, k and v to `[-c, c]` after the q/k norm (OLMoE's `clip_qkv`).
     pub clip_qkv: Option<f64>,
+}
+
+impl AttentionSpec {
+    /// Transformers' `attention_bias` convention: a bias on all four projections or on none,
+    /// with the given q/k norm and no clamp.
+    pub fn with_bias(attention_bias: bool, qk_norm: QkNorm) -> Self {
+        Self {
+            qkv_bias: attention_bias,
+            o_bias: attention_bias,
+            qk_norm,
+            clip_qkv: None,
+        }
+    }
+}
+
+/// Where a family keeps a MoE block's tensors in a checkpoint: the block
+/// `model.layers.{i}.{block}` holds the router `gate.weight`, the routed experts
+/// `experts.{e}.{projection}.weight` and, when there is one, the shared expert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeNames {
+    /// The block inside a decoder layer (`mlp`; Mixtral `block_sparse_moe`).
+    pub block: &'static str,
+    /// The routed experts' projections.
+    pub experts: ExpertNames,
+}
+
+impl MoeNames {
+    /// `mlp.gate`, `mlp.experts.{e}.{gate,up,down}_proj` (OLMoE, Qwen2-MoE, Qwen3-MoE).
+    pub const MLP: Self = Self {
+        block: "mlp",
+        experts: ExpertNames::PROJ,
+    };
+    /// `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.{w1,w3,w2}` (Mixtral).
+    pub const MIXTRAL: Self = Self {
+        block: "block_sparse_moe",
+        experts: ExpertNames::MIXTRAL,
+    };
+
+    /// The MoE block of decoder layer `layer`: `model.layers.{layer}.{block}`.
+    pub fn block_prefix(&self, layer: usize) -> String {
+        format!("model.layers.{layer}.{}", self.block)
+    }
+
+    /// The router weight of decoder layer `layer`.
+    pub fn router_weight(&self, layer: usize) -> String {
+        format!("{}.gate.weight", self.block_prefix(layer))
+    }
+
+    /// The weights of expert `e` of decoder layer `layer`: gate, up, down.
+    pub fn expert_weights(&self, layer: usize, e: usize) -> [String; 3] {
+        let expert = ExpertNames::expert(&self.block_prefix(layer), e);
+        self.experts.weights(&expert)
+    }
 }
 
 /// A routed MoE block.
@@ -41,6 +109,8 @@ pub struct MoeSpec {
     pub norm_topk_prob: bool,
     /// Intermediate size of the sigmoid-gated shared expert, when there is one (Qwen2-MoE).
     pub shared_intermediate_size: Option<usize>,
+    /// The tensor names of the block.
+    pub names: MoeNames,
 }
 
 /// The feed-forward part of one decoder layer.
@@ -51,14 +121,15 @@ pub enum FfnSpec {
         /// Its intermediate size.
         intermediate_size: usize,
     },
-    /// A sparse MoE block (`mlp.gate`, `mlp.experts.{e}.*`, optional `mlp.shared_expert*`).
+    /// A sparse MoE block (`{block}.gate`, `{block}.experts.{e}.*`, optional
+    /// `{block}.shared_expert*`; see [`MoeNames`]).
     Moe(MoeSpec),
 }
 
 /// A decoder-only MoE transformer in the shared vocabulary of the ports.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelSpec {
-    /// Family name used in messages (`olmoe`, `qwen2_moe`).
+    /// Family name used in messages (`olmoe`, `qwen2_moe`, `qwen3_moe`, `mixtral`).
     pub model_type: String,
     /// Vocabulary size (rows of `embed_tokens` and `lm_head`).
     pub vocab_size: usize,
@@ -150,7 +221,9 @@ impl ModelSpec {
                 "must be even for rotary embeddings",
             ));
         }
-        if self.attention.qk_norm && self.num_heads * self.head_dim != self.hidden_size {
+        if self.attention.qk_norm == QkNorm::Projection
+            && self.num_heads * self.head_dim != self.hidden_size
+        {
             return Err(QmoeError::unsupported(
                 "hidden_size",
                 self.hidden_size,
@@ -230,10 +303,7 @@ impl ModelSpec {
     /// The routed-expert settings every MoE layer shares (what one expert pack describes); an
     /// error when the model has no MoE layer or its MoE layers differ.
     pub fn uniform_moe(&self) -> crate::Result<&MoeSpec> {
-        let mut moe = self.layers.iter().filter_map(|l| match l {
-            FfnSpec::Moe(m) => Some(m),
-            FfnSpec::Dense { .. } => None,
-        });
+        let mut moe = self.moe_blocks().map(|(_, m)| m);
         let first = moe.next().ok_or_else(|| {
             QmoeError::unsupported("model_type", &self.model_type, "without a MoE layer")
         })?;
@@ -247,14 +317,27 @@ impl ModelSpec {
         Ok(first)
     }
 
+    /// The sizes of the q and k norm weights, when attention has them (see [`QkNorm`]).
+    pub fn qk_norm_sizes(&self) -> Option<(usize, usize)> {
+        let d = self.head_dim;
+        match self.attention.qk_norm {
+            QkNorm::None => None,
+            QkNorm::Projection => Some((self.num_heads * d, self.num_kv_heads * d)),
+            QkNorm::PerHead => Some((d, d)),
+        }
+    }
+
+    /// The MoE blocks as `(layer index, spec)`, in layer order.
+    pub fn moe_blocks(&self) -> impl Iterator<Item = (usize, &MoeSpec)> {
+        self.layers.iter().enumerate().filter_map(|(i, l)| match l {
+            FfnSpec::Moe(m) => Some((i, m)),
+            FfnSpec::Dense { .. } => None,
+        })
+    }
+
     /// Indices of the MoE layers, in order.
     pub fn moe_layers(&self) -> Vec<usize> {
-        self.layers
-            .iter()
-            .enumerate()
-            .filter(|(_, l)| matches!(l, FfnSpec::Moe(_)))
-            .map(|(i, _)| i)
-            .collect()
+        self.moe_blocks().map(|(i, _)| i).collect()
     }
 }
 
@@ -276,19 +359,19 @@ pub struct RopeParameters {
     pub rope_type: Option<String>,
 }
 
-/// The `config.json` fields OLMoE and Qwen2-MoE share; each port flattens it into its `Config`.
+/// The `config.json` fields every family shares; each port flattens it into its `Config`.
 ///
 /// Optional fields are `Option` so that both an absent key and an explicit `null` are accepted.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 pub struct CommonConfig {
-    /// `olmoe` or `qwen2_moe`; checked against the port that reads it.
+    /// The family (`olmoe`, `qwen2_moe`, …); checked against the port that reads it.
     #[serde(default)]
     pub model_type: Option<String>,
     /// Vocabulary size.
     pub vocab_size: usize,
     /// Hidden size.
     pub hidden_size: usize,
-    /// Intermediate size of dense MLPs (OLMoE: of each routed expert).
+    /// Intermediate size of dense MLPs (OLMoE, Mixtral: of each routed expert).
     pub intermediate_size: usize,
     /// Decoder layers.
     pub num_hidden_layers: usize,
@@ -311,13 +394,15 @@ pub struct CommonConfig {
     /// RoPE settings (newer spelling, `rope_parameters.rope_theta`).
     #[serde(default)]
     pub rope_parameters: Option<RopeParameters>,
-    /// Only `null` or a `default` RoPE type is supported.
+    /// Only `null` or a `default` RoPE type is supported (see [`Self::rope_theta`]).
     #[serde(default)]
     pub rope_scaling: Option<serde_json::Value>,
     /// `lm_head` shares the embedding weights (default `false`).
     #[serde(default)]
     pub tie_word_embeddings: Option<bool>,
-    /// Routed experts per MoE layer.
+    /// Routed experts per MoE layer (also read as `num_local_experts`, the Mixtral and
+    /// transformers 5 spelling).
+    #[serde(alias = "num_local_experts")]
     pub num_experts: usize,
     /// Experts chosen per token.
     pub num_experts_per_tok: usize,
@@ -330,17 +415,32 @@ pub struct CommonConfig {
 }
 
 impl CommonConfig {
-    /// The RoPE base from either spelling (default 10000), refusing RoPE scaling types other than
-    /// `default`.
+    /// The RoPE base from either spelling (default 10000). RoPE scaling is not implemented: a
+    /// `rope_parameters.rope_type` or a non-null `rope_scaling` (whose type is `rope_type`,
+    /// or `type` in older configs) other than `default` is a [`QmoeError::UnsupportedConfig`]
+    /// naming the type, or naming `rope_scaling` when it gives none.
     pub fn rope_theta(&self) -> crate::Result<f64> {
         let params = self.rope_parameters.as_ref();
-        let scaling_type = self.rope_scaling.as_ref().and_then(|v| {
+        let scaling = self.rope_scaling.as_ref().filter(|v| !v.is_null());
+        let scaling_type = scaling.map(|v| {
             v.get("rope_type")
                 .or_else(|| v.get("type"))
                 .and_then(|t| t.as_str())
+                .ok_or_else(|| {
+                    QmoeError::unsupported(
+                        "rope_scaling",
+                        v,
+                        "names no RoPE type (only the default RoPE is supported)",
+                    )
+                })
         });
-        let rope_type = params.and_then(|p| p.rope_type.as_deref()).or(scaling_type);
-        if let Some(rt) = rope_type.filter(|rt| *rt != "default") {
+        let scaling_type = scaling_type.transpose()?;
+        let rope_type = params.and_then(|p| p.rope_type.as_deref());
+        if let Some(rt) = [rope_type, scaling_type]
+            .into_iter()
+            .flatten()
+            .find(|rt| *rt != "default")
+        {
             return Err(QmoeError::unsupported(
                 "rope_type",
                 rt,
@@ -410,14 +510,16 @@ impl CommonConfig {
         Ok(spec)
     }
 
-    /// A routed MoE block with this config's expert count, top-k and `norm_topk_prob`.
-    pub fn moe(&self, intermediate_size: usize, shared: Option<usize>) -> FfnSpec {
-        FfnSpec::Moe(MoeSpec {
+    /// A routed MoE block with this config's expert count, top-k and `norm_topk_prob`, and
+    /// the usual tensor names ([`MoeNames::MLP`]).
+    pub fn moe(&self, intermediate_size: usize, shared: Option<usize>) -> MoeSpec {
+        MoeSpec {
             num_experts: self.num_experts,
             top_k: self.num_experts_per_tok,
             intermediate_size,
             norm_topk_prob: self.norm_topk_prob.unwrap_or(false),
             shared_intermediate_size: shared,
-        })
+            names: MoeNames::MLP,
+        }
     }
 }

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use candle::DType;
 use candle_nn::VarBuilder;
 
-use crate::pack::{ExpertLayout, ExpertWeights, GroupSize, LayerPack, PackFile, ScaleSearch};
+use crate::pack::{
+    ExpertLayout, ExpertNames, ExpertWeights, GroupSize, LayerPack, PackFile, ScaleSearch,
+};
 use crate::residency::{Residency, ResidencyOptions};
 use crate::{DenseExperts, Int4Experts, RoutedExperts, SparseMoe};
 
@@ -24,14 +26,17 @@ pub struct ExpertDims {
     pub num_experts: usize,
     /// Experts each token is routed to.
     pub top_k: usize,
+    /// What the checkpoint calls the experts' projections.
+    pub names: ExpertNames,
 }
 
 /// Builds the routed-experts backend of one MoE layer.
 ///
-/// `vb` is the MoE block's VarBuilder (prefix `model.layers.{layer}.mlp`), holding
-/// `experts.{e}.{gate,up,down}_proj.weight` in a Hugging Face checkpoint. A loader may ignore it
-/// and take the experts from elsewhere (e.g. a pre-built pack file), as long as it checks that
-/// what it returns has the shape in `dims`.
+/// `vb` is the MoE block's VarBuilder (prefix `model.layers.{layer}.mlp`, or the family's block
+/// name, see [`super::MoeNames`]), holding `experts.{e}.{gate,up,down}.weight` in a Hugging Face
+/// checkpoint, with the projection names `dims.names`. A loader may ignore it and take the
+/// experts from elsewhere (e.g. a pre-built pack file), as long as it checks that what it
+/// returns has the shape in `dims`.
 pub trait ExpertsLoader {
     /// The backend for the layer `dims.layer`.
     fn load(&self, dims: ExpertDims, vb: VarBuilder) -> candle::Result<Arc<dyn RoutedExperts>>;
@@ -68,17 +73,14 @@ impl ExpertsBackend {
 
 impl ExpertsLoader for ExpertsBackend {
     fn load(&self, dims: ExpertDims, vb: VarBuilder) -> candle::Result<Arc<dyn RoutedExperts>> {
-        let (h, i, n) = (dims.hidden, dims.intermediate, dims.num_experts);
-        Ok(match *self {
-            Self::Dense => Arc::new(DenseExperts::new(SparseMoe::load_dense_experts(
-                h, i, n, vb,
-            )?)?),
-            Self::DenseAs(dtype) => Arc::new(DenseExperts::new(SparseMoe::load_dense_experts(
-                h,
-                i,
-                n,
-                vb.to_dtype(dtype),
-            )?)?),
+        let (h, i, n, names) = (dims.hidden, dims.intermediate, dims.num_experts, dims.names);
+        let dense = |vb| -> candle::Result<Arc<dyn RoutedExperts>> {
+            let experts = SparseMoe::load_dense_experts(h, i, n, names, vb)?;
+            Ok(Arc::new(DenseExperts::new(experts)?))
+        };
+        match *self {
+            Self::Dense => dense(vb),
+            Self::DenseAs(dtype) => dense(vb.to_dtype(dtype)),
             Self::Int4 { group_size, search } => {
                 let layout = ExpertLayout {
                     hidden: h,
@@ -86,15 +88,16 @@ impl ExpertsLoader for ExpertsBackend {
                     group_size,
                 };
                 let vb32 = vb.to_dtype(DType::F32);
-                let name = vb.prefix();
+                let block = vb.prefix();
                 let read = |e, w: &mut ExpertWeights| {
-                    let dense = SparseMoe::load_dense_expert(h, i, e, vb32.clone())?;
-                    w.read_dense(&format!("{name}.experts.{e}"), &dense, layout)
+                    let dense = SparseMoe::load_dense_expert(h, i, e, names, vb32.clone())?;
+                    w.read_dense(&ExpertNames::expert(&block, e), names, &dense, layout)
                 };
-                let pack = LayerPack::quantize_with(&name, n, layout, search, read, &|| {})?;
-                Arc::new(Int4Experts::new(pack))
+                let pack =
+                    LayerPack::quantize_with(&block, names, n, layout, search, read, &|| {})?;
+                Ok(Arc::new(Int4Experts::new(pack)))
             }
-        })
+        }
     }
 }
 

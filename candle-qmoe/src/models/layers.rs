@@ -1,8 +1,8 @@
-//! The building blocks both ports share: RMSNorm, rotary embedding, attention with a KV cache,
+//! The building blocks every port shares: RMSNorm, rotary embedding, attention with a KV cache,
 //! the causal mask and the pre-norm decoder layer.
 //!
-//! The arithmetic follows transformers' Llama-family code that `OlmoeAttention` and
-//! `Qwen2MoeAttention` derive from: RMSNorm in F32 and cast back before the weight, RoPE tables
+//! The arithmetic follows transformers' Llama-family code that `OlmoeAttention`,
+//! `Qwen2MoeAttention`, `Qwen3MoeAttention` and `MixtralAttention` derive from: RMSNorm in F32 and cast back before the weight, RoPE tables
 //! computed in F32 (rotate-half convention), scores in the model dtype and softmax in F32.
 //!
 //! Activations are in [`activation_dtype`] of the weights: on the CPU, BF16 weights compute
@@ -14,7 +14,7 @@ use std::sync::Arc;
 use candle::{DType, Device, Module, Tensor, D};
 use candle_nn::VarBuilder;
 
-use super::config::{FfnSpec, ModelSpec};
+use super::config::{FfnSpec, ModelSpec, QkNorm};
 use super::experts::{ExpertDims, ExpertsLoader};
 use crate::kernels::attention::{attend, KvCache, KvDtype};
 use crate::linear::{activation_dtype, DenseLinear};
@@ -173,7 +173,8 @@ enum KvStore {
     Host(KvCache),
 }
 
-/// Multi-head attention with GQA, optional q/k/v bias, q/k norm, `clip_qkv`, and a KV cache.
+/// Multi-head attention with GQA, optional q/k/v bias, q/k norm (over the projection or per
+/// head), `clip_qkv`, and a KV cache.
 #[derive(Clone, Debug)]
 pub struct Attention {
     q_proj: DenseLinear,
@@ -182,6 +183,8 @@ pub struct Attention {
     o_proj: DenseLinear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
+    /// The q/k norms apply to each head ([`QkNorm::PerHead`]), not the whole projection.
+    per_head_norm: bool,
     clip_qkv: Option<f64>,
     num_heads: usize,
     num_kv_heads: usize,
@@ -202,18 +205,24 @@ impl Attention {
         let (h, hd) = (spec.hidden_size, spec.head_dim);
         let q_dim = spec.num_heads * hd;
         let kv_dim = spec.num_kv_heads * hd;
-        let norm = |size: usize, name: &str| -> candle::Result<Option<RmsNorm>> {
-            a.qk_norm
-                .then(|| RmsNorm::new(size, spec.rms_norm_eps, vb.pp(name)))
-                .transpose()
+        let (q_norm, k_norm) = match spec.qk_norm_sizes() {
+            Some((qs, ks)) => {
+                let eps = spec.rms_norm_eps;
+                (
+                    Some(RmsNorm::new(qs, eps, vb.pp("q_norm"))?),
+                    Some(RmsNorm::new(ks, eps, vb.pp("k_norm"))?),
+                )
+            }
+            None => (None, None),
         };
         Ok(Self {
             q_proj: DenseLinear::load(h, q_dim, a.qkv_bias, vb.pp("q_proj"))?,
             k_proj: DenseLinear::load(h, kv_dim, a.qkv_bias, vb.pp("k_proj"))?,
             v_proj: DenseLinear::load(h, kv_dim, a.qkv_bias, vb.pp("v_proj"))?,
             o_proj: DenseLinear::load(q_dim, h, a.o_bias, vb.pp("o_proj"))?,
-            q_norm: norm(q_dim, "q_norm")?,
-            k_norm: norm(kv_dim, "k_norm")?,
+            q_norm,
+            k_norm,
+            per_head_norm: a.qk_norm == QkNorm::PerHead,
             clip_qkv: a.clip_qkv,
             num_heads: spec.num_heads,
             num_kv_heads: spec.num_kv_heads,
@@ -235,8 +244,8 @@ impl Attention {
         let mut k = self.k_proj.forward(xs)?;
         let mut v = self.v_proj.forward(xs)?;
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
-            q = qn.forward(&q)?;
-            k = kn.forward(&k)?;
+            q = self.qk_norm(qn, &q, self.num_heads)?;
+            k = self.qk_norm(kn, &k, self.num_kv_heads)?;
         }
         if let Some(c) = self.clip_qkv {
             q = q.clamp(-c, c)?;
@@ -248,6 +257,17 @@ impl Attention {
         } else {
             self.attend_tensors(q, k, v, offset, mask)
         }
+    }
+
+    /// `norm` applied to `xs [B, S, heads · D]`: over each head's `D` values, or over all of
+    /// them (see [`QkNorm`]).
+    fn qk_norm(&self, norm: &RmsNorm, xs: &Tensor, heads: usize) -> candle::Result<Tensor> {
+        if !self.per_head_norm {
+            return norm.forward(xs);
+        }
+        let (b, s, n) = xs.dims3()?;
+        norm.forward(&xs.reshape((b, s, heads, self.head_dim))?)?
+            .reshape((b, s, n))
     }
 
     /// The fused CPU kernel over the in-place cache; `q`, `k`, `v` are `[B, S, heads · D]`.
@@ -398,7 +418,8 @@ pub enum FeedForward {
 }
 
 impl FeedForward {
-    /// Builds the block the spec names for layer `layer` from the `mlp` VarBuilder.
+    /// Builds the block the spec names for layer `layer` from the decoder layer's VarBuilder:
+    /// a dense MLP from `mlp`, a MoE block from its [`super::MoeNames`]' block.
     pub fn new(
         spec: &ModelSpec,
         layer: usize,
@@ -407,10 +428,13 @@ impl FeedForward {
     ) -> candle::Result<Self> {
         let h = spec.hidden_size;
         match &spec.layers[layer] {
-            FfnSpec::Dense { intermediate_size } => {
-                Ok(Self::Dense(GatedMlp::new(h, *intermediate_size, vb)?))
-            }
+            FfnSpec::Dense { intermediate_size } => Ok(Self::Dense(GatedMlp::new(
+                h,
+                *intermediate_size,
+                vb.pp("mlp"),
+            )?)),
             FfnSpec::Moe(m) => {
+                let vb = vb.pp(m.names.block);
                 let router = SparseMoe::load_router(h, m.num_experts, vb.clone())?;
                 let shared = m
                     .shared_intermediate_size
@@ -422,6 +446,7 @@ impl FeedForward {
                     intermediate: m.intermediate_size,
                     num_experts: m.num_experts,
                     top_k: m.top_k,
+                    names: m.names.experts,
                 };
                 let routed = experts.load(dims, vb)?;
                 Ok(Self::Moe(SparseMoe::new(
@@ -479,7 +504,7 @@ impl DecoderLayer {
             input_layernorm: RmsNorm::new(h, eps, vb.pp("input_layernorm"))?,
             self_attn: Attention::new(spec, rotary, vb.pp("self_attn"))?,
             post_attention_layernorm: RmsNorm::new(h, eps, vb.pp("post_attention_layernorm"))?,
-            mlp: FeedForward::new(spec, layer, experts, vb.pp("mlp"))?,
+            mlp: FeedForward::new(spec, layer, experts, vb)?,
         })
     }
 

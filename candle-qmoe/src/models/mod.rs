@@ -1,10 +1,11 @@
-//! Candle-style ports of OLMoE and Qwen2-MoE whose MoE blocks are [`crate::SparseMoe`] with a
-//! swappable routed-experts backend.
+//! Candle-style ports of OLMoE, Qwen2-MoE, Qwen3-MoE and Mixtral whose MoE blocks are
+//! [`crate::SparseMoe`] with a swappable routed-experts backend.
 //!
-//! Both ports are thin: [`olmoe::Config`] and [`qwen2_moe::Config`] read a Hugging Face
-//! `config.json` and map it onto a [`ModelSpec`]; one trunk, [`MoeForCausalLm`], built from the
-//! shared [`layers`], runs either. The routed experts of each MoE layer come from an
-//! [`ExpertsLoader`], e.g. [`ExpertsBackend::Dense`] (the oracle) or [`ExpertsBackend::Int4`].
+//! The ports are thin: [`olmoe::Config`], [`qwen2_moe::Config`], [`qwen3_moe::Config`] and
+//! [`mixtral::Config`] read a Hugging Face `config.json` and map it onto a [`ModelSpec`]; one
+//! trunk, [`MoeForCausalLm`], built from the shared [`layers`], runs any of them. The routed
+//! experts of each MoE layer come from an [`ExpertsLoader`], e.g. [`ExpertsBackend::Dense`] (the
+//! oracle) or [`ExpertsBackend::Int4`].
 //!
 //! ```no_run
 //! use candle::{DType, Device, Tensor};
@@ -27,22 +28,39 @@ pub mod checkpoint;
 pub mod config;
 pub mod experts;
 pub mod layers;
+pub mod mixtral;
 pub mod olmoe;
 pub mod quantize;
 pub mod qwen2_moe;
+pub mod qwen3_moe;
 
 use std::path::Path;
 
 pub use causal_lm::MoeForCausalLm;
 pub use checkpoint::{checkpoint_files, fingerprint, mmap_checkpoint, CheckpointTensors};
-pub use config::{AttentionSpec, CommonConfig, FfnSpec, ModelConfig, ModelSpec, MoeSpec};
+pub use config::{
+    AttentionSpec, CommonConfig, FfnSpec, ModelConfig, ModelSpec, MoeNames, MoeSpec, QkNorm,
+};
 pub use experts::{ExpertDims, ExpertsBackend, ExpertsLoader, PackedExperts};
 pub use quantize::{quantize_checkpoint, quantize_checkpoint_to_file, QuantizeOptions};
 
 use crate::QmoeError;
 
 /// The `model_type`s the ports support.
-pub const SUPPORTED_MODEL_TYPES: [&str; 2] = [olmoe::MODEL_TYPE, qwen2_moe::MODEL_TYPE];
+pub const SUPPORTED_MODEL_TYPES: [&str; 4] = [
+    olmoe::MODEL_TYPE,
+    qwen2_moe::MODEL_TYPE,
+    qwen3_moe::MODEL_TYPE,
+    mixtral::MODEL_TYPE,
+];
+
+/// The `architectures` entry of each supported family, in [`SUPPORTED_MODEL_TYPES`]' order.
+const ARCHITECTURES: [&str; 4] = [
+    olmoe::ARCHITECTURE,
+    qwen2_moe::ARCHITECTURE,
+    qwen3_moe::ARCHITECTURE,
+    mixtral::ARCHITECTURE,
+];
 
 /// Parses a `config.json` text into a port's config; `what` names the port in errors.
 pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(
@@ -90,17 +108,22 @@ fn naming_file(e: QmoeError, path: &Path) -> QmoeError {
     }
 }
 
-/// A config of either supported family, chosen by `model_type` (or `architectures`).
+/// A config of any supported family, chosen by `model_type` (or `architectures`).
 #[derive(Clone, Debug)]
 pub enum AnyConfig {
     /// An OLMoE config.
     Olmoe(olmoe::Config),
     /// A Qwen2-MoE config.
     Qwen2Moe(qwen2_moe::Config),
+    /// A Qwen3-MoE config.
+    Qwen3Moe(qwen3_moe::Config),
+    /// A Mixtral config.
+    Mixtral(mixtral::Config),
 }
 
 impl AnyConfig {
-    /// Parses a `config.json` text, refusing unsupported model types by name.
+    /// Parses a `config.json` text, refusing unsupported model types by name. Without a
+    /// `model_type`, the first `architectures` entry chooses the family.
     pub fn from_json_str(json: &str) -> crate::Result<Self> {
         let value: serde_json::Value = parse_json(json, "model")?;
         let model_type = value.get("model_type").and_then(|t| t.as_str());
@@ -108,14 +131,14 @@ impl AnyConfig {
             .get("architectures")
             .and_then(|a| a.get(0))
             .and_then(|a| a.as_str());
-        let kind = match (model_type, arch) {
+        let by_arch = arch.and_then(|a| ARCHITECTURES.iter().position(|&known| known == a));
+        let kind = match (model_type, by_arch) {
             (Some(t), _) => t,
-            (None, Some("OlmoeForCausalLM")) => olmoe::MODEL_TYPE,
-            (None, Some("Qwen2MoeForCausalLM")) => qwen2_moe::MODEL_TYPE,
-            (None, other) => {
+            (None, Some(i)) => SUPPORTED_MODEL_TYPES[i],
+            (None, None) => {
                 return Err(QmoeError::unsupported(
                     "architectures",
-                    other.unwrap_or("[]"),
+                    arch.unwrap_or("[]"),
                     format!(
                         "is not supported and model_type is absent (supported model types: \
                          {SUPPORTED_MODEL_TYPES:?})"
@@ -126,6 +149,8 @@ impl AnyConfig {
         match kind {
             olmoe::MODEL_TYPE => Ok(Self::Olmoe(olmoe::Config::from_json_str(json)?)),
             qwen2_moe::MODEL_TYPE => Ok(Self::Qwen2Moe(qwen2_moe::Config::from_json_str(json)?)),
+            qwen3_moe::MODEL_TYPE => Ok(Self::Qwen3Moe(qwen3_moe::Config::from_json_str(json)?)),
+            mixtral::MODEL_TYPE => Ok(Self::Mixtral(mixtral::Config::from_json_str(json)?)),
             other => Err(QmoeError::unsupported(
                 "model_type",
                 other,
@@ -148,23 +173,29 @@ impl AnyConfig {
         match self {
             Self::Olmoe(_) => olmoe::MODEL_TYPE,
             Self::Qwen2Moe(_) => qwen2_moe::MODEL_TYPE,
+            Self::Qwen3Moe(_) => qwen3_moe::MODEL_TYPE,
+            Self::Mixtral(_) => mixtral::MODEL_TYPE,
         }
     }
 
-    /// The fields both families share.
-    pub fn common(&self) -> &CommonConfig {
+    /// The port's config, for what every family has.
+    fn port(&self) -> (&CommonConfig, &dyn ModelConfig) {
         match self {
-            Self::Olmoe(c) => &c.common,
-            Self::Qwen2Moe(c) => &c.common,
+            Self::Olmoe(c) => (&c.common, c),
+            Self::Qwen2Moe(c) => (&c.common, c),
+            Self::Qwen3Moe(c) => (&c.common, c),
+            Self::Mixtral(c) => (&c.common, c),
         }
+    }
+
+    /// The fields every family shares.
+    pub fn common(&self) -> &CommonConfig {
+        self.port().0
     }
 }
 
 impl ModelConfig for AnyConfig {
     fn spec(&self) -> crate::Result<ModelSpec> {
-        match self {
-            Self::Olmoe(c) => c.spec(),
-            Self::Qwen2Moe(c) => c.spec(),
-        }
+        self.port().1.spec()
     }
 }

@@ -8,15 +8,18 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::config::{AttentionSpec, CommonConfig, ModelConfig, ModelSpec};
+use super::config::{AttentionSpec, CommonConfig, FfnSpec, ModelConfig, ModelSpec, QkNorm};
 
 /// The `model_type` this port reads.
 pub const MODEL_TYPE: &str = "olmoe";
 
+/// The `architectures` entry of this family.
+pub const ARCHITECTURE: &str = "OlmoeForCausalLM";
+
 /// An OLMoE `config.json`.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 pub struct Config {
-    /// Fields shared with Qwen2-MoE.
+    /// Fields every family shares.
     #[serde(flatten)]
     pub common: CommonConfig,
     /// Clamp q, k, v to `[-clip_qkv, clip_qkv]` after the q/k norm.
@@ -39,13 +42,11 @@ impl ModelConfig for Config {
         let c = &self.common;
         let bias = self.attention_bias.unwrap_or(false);
         let attention = AttentionSpec {
-            qkv_bias: bias,
-            o_bias: bias,
-            qk_norm: true,
             clip_qkv: self.clip_qkv,
+            ..AttentionSpec::with_bias(bias, QkNorm::Projection)
         };
         c.to_spec(MODEL_TYPE, 1e-5, attention, |_| {
-            c.moe(c.intermediate_size, None)
+            FfnSpec::Moe(c.moe(c.intermediate_size, None))
         })
     }
 }

@@ -43,12 +43,6 @@ impl Default for QuantizeOptions {
     }
 }
 
-/// The names of expert `e`'s tensors in MoE layer `layer`: gate, up, down.
-fn expert_tensor_names(layer: usize, e: usize) -> [String; 3] {
-    ["gate_proj", "up_proj", "down_proj"]
-        .map(|p| format!("model.layers.{layer}.mlp.experts.{e}.{p}.weight"))
-}
-
 /// A checkpoint opened for quantization: its tensors, the pack's header, the MoE layers.
 struct Quantizer {
     tensors: CheckpointTensors,
@@ -98,8 +92,9 @@ impl Quantizer {
     fn layer(&self, layer: usize, tick: &(dyn Fn() + Sync)) -> crate::Result<LayerPack> {
         let l = self.meta.layout;
         let (h, i) = (l.hidden, l.intermediate);
+        let moe_names = self.moe.names;
         let names: Vec<[String; 3]> = (0..self.moe.num_experts)
-            .map(|e| expert_tensor_names(layer, e))
+            .map(|e| moe_names.expert_weights(layer, e))
             .collect();
         self.tensors
             .prefetch(names.iter().flatten().map(String::as_str));
@@ -111,9 +106,9 @@ impl Quantizer {
             self.tensors.release(names[e].iter().map(String::as_str));
             Ok(())
         };
-        let name = format!("model.layers.{layer}.mlp");
-        let num = self.moe.num_experts;
-        LayerPack::quantize_with(&name, num, l, self.meta.scale_search, read, tick)
+        let block = moe_names.block_prefix(layer);
+        let (num, search) = (self.moe.num_experts, self.meta.scale_search);
+        LayerPack::quantize_with(&block, moe_names.experts, num, l, search, read, tick)
     }
 }
 

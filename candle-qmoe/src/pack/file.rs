@@ -424,7 +424,7 @@ impl PackFile {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pack::DenseExpert;
+    use crate::pack::{DenseExpert, ExpertNames};
     use candle::{Device, Tensor};
 
     fn sample() -> (PackMeta, Vec<(usize, LayerPack)>) {
@@ -453,7 +453,8 @@ mod tests {
             .map(|&i| {
                 (
                     i,
-                    LayerPack::quantize("l", &experts, layout, ScaleSearch::Mse).unwrap(),
+                    LayerPack::quantize("l", ExpertNames::PROJ, &experts, layout, ScaleSearch::Mse)
+                        .unwrap(),
                 )
             })
             .collect();

@@ -57,14 +57,59 @@ impl Default for GroupSize {
     }
 }
 
+/// What a checkpoint calls a routed expert's three projections: its tensors are
+/// `{block}.experts.{e}.{projection}.weight` under the MoE block `block`. Loaders read these
+/// names and errors name them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ExpertNames {
+    /// The gate projection `[I, H]` (`gate_proj`; Mixtral `w1`).
+    pub gate: &'static str,
+    /// The up projection `[I, H]` (`up_proj`; Mixtral `w3`).
+    pub up: &'static str,
+    /// The down projection `[H, I]` (`down_proj`; Mixtral `w2`).
+    pub down: &'static str,
+}
+
+impl ExpertNames {
+    /// `gate_proj`, `up_proj`, `down_proj` (OLMoE, Qwen2-MoE, Qwen3-MoE).
+    pub const PROJ: Self = Self {
+        gate: "gate_proj",
+        up: "up_proj",
+        down: "down_proj",
+    };
+    /// `w1`, `w3`, `w2` (Mixtral).
+    pub const MIXTRAL: Self = Self {
+        gate: "w1",
+        up: "w3",
+        down: "w2",
+    };
+
+    /// The prefix of expert `e` in the MoE block `block`: `{block}.experts.{e}`.
+    pub fn expert(block: &str, e: usize) -> String {
+        format!("{block}.experts.{e}")
+    }
+
+    /// The weights of the expert whose prefix is `expert` (see [`Self::expert`]): gate, up,
+    /// down, e.g. `{expert}.gate_proj.weight`.
+    pub fn weights(&self, expert: &str) -> [String; 3] {
+        [self.gate, self.up, self.down].map(|p| format!("{expert}.{p}.weight"))
+    }
+}
+
+impl Default for ExpertNames {
+    fn default() -> Self {
+        Self::PROJ
+    }
+}
+
 /// Host view of one expert's dense weights, in PyTorch orientation.
 #[derive(Clone, Debug)]
 pub struct DenseExpert {
-    /// `gate_proj.weight [I, H]`.
+    /// The gate projection `[I, H]`.
     pub gate: Tensor,
-    /// `up_proj.weight [I, H]`.
+    /// The up projection `[I, H]`.
     pub up: Tensor,
-    /// `down_proj.weight [H, I]`.
+    /// The down projection `[H, I]`.
     pub down: Tensor,
 }
 
@@ -98,45 +143,50 @@ pub struct ExpertWeights {
 }
 
 impl ExpertWeights {
-    /// Reads `expert` (checking its shapes against `layout`); `name` prefixes the tensor names
-    /// in errors.
+    /// Reads `expert` (checking its shapes against `layout`); errors name its tensors
+    /// `names.weights(name)`.
     pub fn read_dense(
         &mut self,
         name: &str,
+        names: ExpertNames,
         expert: &DenseExpert,
         layout: ExpertLayout,
     ) -> crate::Result<()> {
         let (h, i) = (layout.hidden, layout.intermediate);
-        for (proj, t, shape, out) in [
-            ("gate_proj", &expert.gate, [i, h], &mut self.gate),
-            ("up_proj", &expert.up, [i, h], &mut self.up),
-            ("down_proj", &expert.down, [h, i], &mut self.down),
+        let [gate, up, down] = names.weights(name);
+        for (tensor, t, shape, out) in [
+            (gate, &expert.gate, [i, h], &mut self.gate),
+            (up, &expert.up, [i, h], &mut self.up),
+            (down, &expert.down, [h, i], &mut self.down),
         ] {
-            matrix_f32(&format!("{name}.{proj}.weight"), t, shape, out)?;
+            matrix_f32(&tensor, t, shape, out)?;
         }
         Ok(())
     }
 }
 
-/// Quantizes one expert into a slab of `layout.slab_bytes()` bytes. `name` prefixes the tensor
-/// names used in errors (e.g. `model.layers.3.mlp.experts.7`).
+/// Quantizes one expert into a slab of `layout.slab_bytes()` bytes. Errors name its tensors
+/// `names.weights(name)` (e.g. `name` = `model.layers.3.mlp.experts.7`).
 pub fn quantize_expert(
     name: &str,
+    names: ExpertNames,
     expert: &DenseExpert,
     layout: ExpertLayout,
     search: ScaleSearch,
 ) -> crate::Result<Vec<u8>> {
     let mut weights = ExpertWeights::default();
-    weights.read_dense(name, expert, layout)?;
+    weights.read_dense(name, names, expert, layout)?;
     let mut slab = vec![0u8; layout.slab_bytes()];
-    quantize_expert_into(name, &weights, layout, search, &mut slab)?;
+    quantize_expert_into(name, names, &weights, layout, search, &mut slab)?;
     Ok(slab)
 }
 
 /// Quantizes one expert's F32 weights into `slab`, `layout.slab_bytes()` zeroed bytes (the
-/// alignment gaps between its regions are left as they are).
+/// alignment gaps between its regions are left as they are). Errors name its tensors
+/// `names.weights(name)`.
 pub fn quantize_expert_into(
     name: &str,
+    names: ExpertNames,
     weights: &ExpertWeights,
     layout: ExpertLayout,
     search: ScaleSearch,
@@ -164,14 +214,15 @@ pub fn quantize_expert_into(
     let (gate_w, up_w) = gate_up_weights.split_at_mut(half.weight_bytes());
     let (gate_s, up_s) =
         gate_up_scales[..2 * gu.scale_count()].split_at_mut(2 * half.scale_count());
-    for (proj, values, w, s) in [
-        ("gate_proj", &weights.gate, gate_w, gate_s),
-        ("up_proj", &weights.up, up_w, up_s),
+    let [gate, up, down] = names.weights(name);
+    for (tensor, values, w, s) in [
+        (gate, &weights.gate, gate_w, gate_s),
+        (up, &weights.up, up_w, up_s),
     ] {
-        quantize_matrix_into(&format!("{name}.{proj}.weight"), values, half, search, w, s)?;
+        quantize_matrix_into(&tensor, values, half, search, w, s)?;
     }
     quantize_matrix_into(
-        &format!("{name}.down_proj.weight"),
+        &down,
         &weights.down,
         dn,
         search,
@@ -265,19 +316,22 @@ pub struct LayerPack {
 }
 
 impl LayerPack {
-    /// Quantizes the experts of one layer (in parallel). `name` prefixes tensor names in errors.
+    /// Quantizes the experts of one layer (in parallel). Errors name expert `e`'s tensors
+    /// `names.weights(&ExpertNames::expert(name, e))`, `name` being the MoE block's prefix.
     pub fn quantize(
         name: &str,
+        names: ExpertNames,
         experts: &[DenseExpert],
         layout: ExpertLayout,
         search: ScaleSearch,
     ) -> crate::Result<Self> {
         Self::quantize_with(
             name,
+            names,
             experts.len(),
             layout,
             search,
-            |e, w| w.read_dense(&format!("{name}.experts.{e}"), &experts[e], layout),
+            |e, w| w.read_dense(&ExpertNames::expert(name, e), names, &experts[e], layout),
             &|| {},
         )
     }
@@ -285,9 +339,11 @@ impl LayerPack {
     /// Quantizes `num_experts` experts whose F32 weights `read(e, buffers)` puts in `buffers`
     /// (in parallel, each thread reusing its buffers), calling `on_expert` after each: only the
     /// experts being quantized are held in dense form, and the slabs are written in place, so a
-    /// layer can be packed straight from a memory-mapped checkpoint.
+    /// layer can be packed straight from a memory-mapped checkpoint. Errors name tensors as
+    /// [`Self::quantize`] does.
     pub fn quantize_with(
         name: &str,
+        names: ExpertNames,
         num_experts: usize,
         layout: ExpertLayout,
         search: ScaleSearch,
@@ -314,9 +370,9 @@ impl LayerPack {
             .par_chunks_mut(n)
             .enumerate()
             .try_for_each_init(ExpertWeights::default, |weights, (e, slab)| {
-                let expert = format!("{name}.experts.{e}");
                 read(e, weights)?;
-                quantize_expert_into(&expert, weights, layout, search, slab)?;
+                let expert = ExpertNames::expert(name, e);
+                quantize_expert_into(&expert, names, weights, layout, search, slab)?;
                 on_expert();
                 Ok::<_, QmoeError>(())
             })?;

@@ -205,7 +205,7 @@ fn non_expert_elements(spec: &ModelSpec) -> NonExpertElements {
     let attention = product(&[h, q + 2 * kv]) + product(&[q, h]);
     let attention_rest = if_set(a.qkv_bias, (q + 2 * kv) as u64)
         + if_set(a.o_bias, h as u64)
-        + if_set(a.qk_norm, (q + kv) as u64);
+        + spec.qk_norm_sizes().map_or(0, |(qn, kn)| (qn + kn) as u64);
     let ffn = |layer: &FfnSpec| match layer {
         FfnSpec::Dense { intermediate_size } => (product(&[3, h, *intermediate_size]), 0),
         FfnSpec::Moe(m) => (

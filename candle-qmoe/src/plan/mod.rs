@@ -63,7 +63,7 @@
 
 use serde::{Serialize, Serializer};
 
-use crate::models::{FfnSpec, ModelSpec, MoeSpec};
+use crate::models::{ModelSpec, MoeSpec};
 use crate::residency::Resident;
 use crate::QmoeError;
 
@@ -218,12 +218,5 @@ fn plan_err(msg: impl Into<String>) -> QmoeError {
 
 /// The MoE layers of `spec` as `(decoder layer index, block)`.
 fn moe_layers(spec: &ModelSpec) -> Vec<(usize, &MoeSpec)> {
-    spec.layers
-        .iter()
-        .enumerate()
-        .filter_map(|(i, l)| match l {
-            FfnSpec::Moe(m) => Some((i, m)),
-            FfnSpec::Dense { .. } => None,
-        })
-        .collect()
+    spec.moe_blocks().collect()
 }

@@ -2,8 +2,8 @@
 //! `generation_config.json`, BF16 safetensors (one `model.safetensors`, or shards
 //! `model-0000N-of-0000M.safetensors` with the index `model.safetensors.index.json`) and the
 //! tokenizer files the caller provides, with the tensor names transformers, llama.cpp's
-//! converter and this crate's loaders read (`model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj
-//! .weight` for the routed experts).
+//! converter and this crate's loaders read (for the routed experts the family's
+//! [`MoeNames`], e.g. `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`).
 //!
 //! The weights are exactly those of [`SyntheticModel`] of the same kind and seed (every one of
 //! them is a BF16 value): the non-expert tensors, and the experts of its INT4 pack at the default
@@ -26,7 +26,7 @@ use super::{
     SyntheticKind,
 };
 use crate::models::checkpoint::{INDEX_FILE, SINGLE_FILE};
-use crate::models::{AnyConfig, ModelConfig};
+use crate::models::{AnyConfig, ModelConfig, MoeNames};
 use crate::pack::{ExpertLayout, GroupSize, SlabView};
 use crate::safetensors_writer::{SafetensorsWriter, TensorSpec};
 use crate::QmoeError;
@@ -72,6 +72,7 @@ enum Piece {
 /// Everything the writer needs to know about the model.
 struct Plan {
     layout: ExpertLayout,
+    names: MoeNames,
     pieces: Vec<Piece>,
 }
 
@@ -101,7 +102,11 @@ impl Plan {
             },
             Piece::Expert { layer, .. } => layer + 1,
         });
-        Ok(Self { layout, pieces })
+        Ok(Self {
+            layout,
+            names: moe.names,
+            pieces,
+        })
     }
 
     /// The tensors of `piece`: name, shape.
@@ -111,11 +116,11 @@ impl Plan {
             Piece::Tensor(t) => vec![bf16(t.name.clone(), t.shape.clone())],
             Piece::Expert { layer, expert } => {
                 let (h, i) = (self.layout.hidden, self.layout.intermediate);
-                let p = format!("model.layers.{layer}.mlp.experts.{expert}");
+                let [gate, up, down] = self.names.expert_weights(*layer, *expert);
                 vec![
-                    bf16(format!("{p}.gate_proj.weight"), vec![i, h]),
-                    bf16(format!("{p}.up_proj.weight"), vec![i, h]),
-                    bf16(format!("{p}.down_proj.weight"), vec![h, i]),
+                    bf16(gate, vec![i, h]),
+                    bf16(up, vec![i, h]),
+                    bf16(down, vec![h, i]),
                 ]
             }
         }

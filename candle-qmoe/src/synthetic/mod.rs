@@ -552,9 +552,9 @@ fn layer_tensors(spec: &ModelSpec, i: usize) -> Vec<NonExpert> {
             out.push(t(format!("{p}.self_attn.{name}.bias"), vec![rows], uniform));
         }
     }
-    if a.qk_norm {
-        out.push(t(format!("{p}.self_attn.q_norm.weight"), vec![q], Ones));
-        out.push(t(format!("{p}.self_attn.k_norm.weight"), vec![kv], Ones));
+    if let Some((qn, kn)) = spec.qk_norm_sizes() {
+        out.push(t(format!("{p}.self_attn.q_norm.weight"), vec![qn], Ones));
+        out.push(t(format!("{p}.self_attn.k_norm.weight"), vec![kn], Ones));
     }
     let mlp = |m: &str, inter: usize| {
         [
@@ -568,15 +568,12 @@ fn layer_tensors(spec: &ModelSpec, i: usize) -> Vec<NonExpert> {
             out.extend(mlp(&format!("{p}.mlp"), *intermediate_size))
         }
         FfnSpec::Moe(m) => {
-            out.push(t(
-                format!("{p}.mlp.gate.weight"),
-                vec![m.num_experts, h],
-                uniform,
-            ));
+            let block = m.names.block_prefix(i);
+            out.push(t(m.names.router_weight(i), vec![m.num_experts, h], uniform));
             if let Some(si) = m.shared_intermediate_size {
-                out.extend(mlp(&format!("{p}.mlp.shared_expert"), si));
+                out.extend(mlp(&format!("{block}.shared_expert"), si));
                 out.push(t(
-                    format!("{p}.mlp.shared_expert_gate.weight"),
+                    format!("{block}.shared_expert_gate.weight"),
                     vec![1, h],
                     uniform,
                 ));

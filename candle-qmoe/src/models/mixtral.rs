@@ -1,0 +1,63 @@
+//! Mixtral (`model_type: mixtral`, `MixtralForCausalLM`): mistralai/Mixtral-8x7B and -8x22B and
+//! their Instruct variants.
+//!
+//! Every layer is a MoE block named `block_sparse_moe` whose experts are `w1` (gate), `w3` (up)
+//! and `w2` (down) of `intermediate_size` ([`MoeNames::MIXTRAL`]); routing takes the top-k of
+//! the router logits and a softmax over them, which is softmax → top-k → renormalise. Attention
+//! is plain GQA without bias or q/k norm. Sliding-window attention (a non-null `sliding_window`)
+//! is not implemented and refused. Only the mapping from `config.json` lives here; the model
+//! itself is the shared [`super::MoeForCausalLm`].
+
+use serde::{Deserialize, Serialize};
+
+use super::config::{
+    AttentionSpec, CommonConfig, FfnSpec, ModelConfig, ModelSpec, MoeNames, MoeSpec, QkNorm,
+};
+use crate::QmoeError;
+
+/// The `model_type` this port reads.
+pub const MODEL_TYPE: &str = "mixtral";
+
+/// The `architectures` entry of this family.
+pub const ARCHITECTURE: &str = "MixtralForCausalLM";
+
+/// A Mixtral `config.json`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+pub struct Config {
+    /// Fields every family shares (the expert count as `num_local_experts`).
+    #[serde(flatten)]
+    pub common: CommonConfig,
+    /// Sliding-window size; only `null` or absent (full attention) is supported.
+    #[serde(default)]
+    pub sliding_window: Option<serde_json::Value>,
+}
+
+impl Config {
+    /// Parses a `config.json` text.
+    pub fn from_json_str(json: &str) -> crate::Result<Self> {
+        super::parse_json(json, MODEL_TYPE)
+    }
+}
+
+impl ModelConfig for Config {
+    fn spec(&self) -> crate::Result<ModelSpec> {
+        if let Some(w) = &self.sliding_window {
+            return Err(QmoeError::unsupported(
+                "sliding_window",
+                w,
+                "is not supported (only full attention, `sliding_window: null`)",
+            ));
+        }
+        let c = &self.common;
+        let attention = AttentionSpec::with_bias(false, QkNorm::None);
+        let moe = MoeSpec {
+            norm_topk_prob: true,
+            names: MoeNames::MIXTRAL,
+            ..c.moe(c.intermediate_size, None)
+        };
+        c.to_spec(MODEL_TYPE, 1e-5, attention, |_| FfnSpec::Moe(moe.clone()))
+    }
+}
+
+/// The Mixtral causal LM: the shared trunk built from a Mixtral [`Config`].
+pub type Model = super::MoeForCausalLm;
