@@ -131,10 +131,33 @@ fn stop_tokens_are_eos_and_end_of_turn() {
     };
     assert_eq!(stops("olmoe-1b-7b-0924-instruct.json"), ["<|endoftext|>"]);
     assert_eq!(stops("qwen3-30b-a3b.json"), ["<|im_end|>"]);
-    // An AddedToken object (`{"content": "</s>", ...}`) is read by its content.
     assert_eq!(stops("mixtral-8x7b-instruct-v0.1.json"), ["</s>"]);
     let builtin = ChatTemplate::builtin("qwen2_moe").unwrap();
     assert_eq!(builtin.stop_tokens(), ["<|im_end|>"]);
+}
+
+#[test]
+fn added_token_objects_are_read_by_their_content() {
+    // Older tokenizer_config.json files write special tokens as AddedToken objects.
+    let dir = scratch("added");
+    let added = |content: &str| {
+        serde_json::json!({
+            "__type": "AddedToken", "content": content, "lstrip": false,
+            "normalized": false, "rstrip": false, "single_word": false,
+        })
+    };
+    let config = serde_json::json!({
+        "bos_token": added("<s>"),
+        "eos_token": added("</s>"),
+        "chat_template": "{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}",
+    });
+    let template = ChatTemplate::from_tokenizer_config(&write_config(&dir, &config))
+        .unwrap()
+        .unwrap();
+    assert_eq!(template.stop_tokens(), ["</s>"]);
+    let text = template.render(&[Message::user("hi")], false, &Variables::new());
+    assert_eq!(text.unwrap(), "<s>hi</s>");
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[derive(Parser)]
