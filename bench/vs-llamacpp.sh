@@ -127,17 +127,23 @@ fi
 # --- 2. weights -----------------------------------------------------------------------------
 mkdir -p "$models"
 bf16=$models/$name-bf16.gguf
-if [[ ! -s $bf16 || $model_dir/config.json -nt $bf16 ]]; then
+read -r -a formats <<<"${FORMATS:-Q4_0 Q4_K_M}"
+# The BF16 GGUF is needed only to quantize: it may be deleted once the formats exist (13 GB).
+need_bf16=0
+for fmt in "${formats[@]}"; do
+  out=$models/$name-$fmt.gguf
+  if [[ ! -s $out || $model_dir/config.json -nt $out || ${REQUANTIZE:-0} == 1 ]]; then need_bf16=1; fi
+done
+if ((need_bf16)) && [[ ! -s $bf16 || $model_dir/config.json -nt $bf16 ]]; then
   log "convert_hf_to_gguf.py $model_dir -> $bf16"
   /usr/bin/time -v -o "$models/convert-bf16.time" "$venv/bin/python" "$src/convert_hf_to_gguf.py" \
     "$model_dir" --outtype bf16 --outfile "$bf16.part" >"$models/convert-bf16.log" 2>&1 ||
     { tail -20 "$models/convert-bf16.log" >&2; exit 1; }
   mv "$bf16.part" "$bf16"
 fi
-read -r -a formats <<<"${FORMATS:-Q4_0 Q4_K_M}"
 for fmt in "${formats[@]}"; do
   out=$models/$name-$fmt.gguf
-  if [[ ! -s $out || $bf16 -nt $out || ${REQUANTIZE:-0} == 1 ]]; then
+  if [[ ! -s $out || ($bf16 -nt $out && -s $bf16) || ${REQUANTIZE:-0} == 1 ]]; then
     log "llama-quantize $fmt"
     /usr/bin/time -v -o "$models/quantize-$fmt.time" "$build/bin/llama-quantize" \
       "$bf16" "$out.part" "$fmt" "$threads" >"$models/quantize-$fmt.log" 2>&1 ||
