@@ -754,7 +754,7 @@ fn routed_forward_as<'a, T: ActInt>(
     let acts = QuantActs::<T>::new(xs, tokens, h, g);
     let act_blocks: Vec<Vec<ActBlock<T>>> = plan
         .groups
-        .par_iter()
+        .iter()
         .map(|(_, slots)| {
             let rows: Vec<usize> = slots.iter().map(|&s| s / k).collect();
             acts.blocks(&rows, tb_max)
@@ -800,7 +800,7 @@ fn routed_forward_as<'a, T: ActInt>(
     drop(hidden);
     let hidden_blocks: Vec<Vec<ActBlock<T>>> = plan
         .groups
-        .par_iter()
+        .iter()
         .map(|(_, slots)| hq.blocks(slots, tb_max))
         .collect();
     drop(hq);
