@@ -311,6 +311,8 @@ fn real_model_configs_match_synthetic_shapes() {
     for (file, kind) in [
         ("olmoe-1b-7b-0924.json", SyntheticKind::Olmoe),
         ("qwen1.5-moe-a2.7b.json", SyntheticKind::Qwen2Moe),
+        ("qwen3-30b-a3b.json", SyntheticKind::Qwen3Moe),
+        ("mixtral-8x7b-instruct-v0.1.json", SyntheticKind::Mixtral),
     ] {
         let text = std::fs::read_to_string(dir.join(file)).unwrap();
         let value: serde_json::Value = serde_json::from_str(&text).unwrap();
