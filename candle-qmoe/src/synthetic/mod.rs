@@ -982,44 +982,40 @@ mod tests {
             assert!(close(per_token, active), "{kind}: {per_token}");
             assert!(kind.large());
         }
+        // Layers, hidden, heads, kv heads, head dim, experts, top-k, expert I, vocab, context.
+        for (kind, want) in [
+            (
+                SyntheticKind::Qwen3Moe,
+                [48, 2048, 32, 4, 128, 128, 8, 768, 151936, 40960],
+            ),
+            (
+                SyntheticKind::Mixtral,
+                [32, 4096, 32, 8, 128, 8, 2, 14336, 32000, 32768],
+            ),
+        ] {
+            let s = kind.spec().unwrap();
+            let m = s.uniform_moe().unwrap();
+            let got = [
+                s.num_layers(),
+                s.hidden_size,
+                s.num_heads,
+                s.num_kv_heads,
+                s.head_dim,
+                m.num_experts,
+                m.top_k,
+                m.intermediate_size,
+                s.vocab_size,
+                s.max_position_embeddings,
+            ];
+            assert_eq!(got, want, "{kind}");
+            assert!(m.norm_topk_prob && !s.tie_word_embeddings, "{kind}");
+            assert_eq!(s.rope_theta, 1e6);
+        }
         let q = SyntheticKind::Qwen3Moe.spec().unwrap();
-        let moe = q.uniform_moe().unwrap();
-        assert_eq!(
-            (
-                q.num_layers(),
-                q.hidden_size,
-                q.num_heads,
-                q.num_kv_heads,
-                q.head_dim
-            ),
-            (48, 2048, 32, 4, 128)
-        );
-        assert_eq!(
-            (moe.num_experts, moe.top_k, moe.intermediate_size),
-            (128, 8, 768)
-        );
-        assert!(moe.norm_topk_prob && !q.tie_word_embeddings);
         assert_eq!(q.attention.qk_norm, QkNorm::PerHead);
-        assert_eq!((q.vocab_size, q.max_position_embeddings), (151936, 40960));
-        assert_eq!(q.rope_theta, 1e6);
         let x = SyntheticKind::Mixtral.spec().unwrap();
-        let moe = x.uniform_moe().unwrap();
-        assert_eq!(
-            (
-                x.num_layers(),
-                x.hidden_size,
-                x.num_heads,
-                x.num_kv_heads,
-                x.head_dim
-            ),
-            (32, 4096, 32, 8, 128)
-        );
-        assert_eq!(
-            (moe.num_experts, moe.top_k, moe.intermediate_size),
-            (8, 2, 14336)
-        );
-        assert_eq!((moe.names, x.vocab_size), (MoeNames::MIXTRAL, 32000));
         assert_eq!(x.attention.qk_norm, QkNorm::None);
+        assert_eq!(x.uniform_moe().unwrap().names, MoeNames::MIXTRAL);
         // The Mixtral tensors a checkpoint names: its router lives in `block_sparse_moe`.
         let names: Vec<String> = non_expert_tensors(&x).into_iter().map(|t| t.name).collect();
         assert!(names.contains(&"model.layers.31.block_sparse_moe.gate.weight".to_string()));
