@@ -31,7 +31,7 @@ use serde_json::{json, Value};
 #[command(about = "Measure the peak RSS of one synthetic configuration against the memory plan")]
 #[command(group(ArgGroup::new("mode").required(true).args(["synthetic", "table"])))]
 struct Args {
-    /// The synthetic model: tiny, olmoe or qwen2moe.
+    /// The synthetic model: tiny, olmoe or qwen2moe (its pack is built in memory).
     #[arg(long, value_parser = parse_arg::<SyntheticKind>)]
     synthetic: Option<SyntheticKind>,
     /// Expert cache: none (the pack in place), all, or a number of slots per MoE layer.

@@ -90,6 +90,7 @@ fn main() -> Result<()> {
     check_args(&args)?;
     let device = args.model.device()?;
     let dtype = args.model.compute_dtype(&device);
+    let load_average = candle_qmoe_suite::system::load_average();
     let start = Instant::now();
     let mut loaded = args.model.load(dtype, &device)?;
     let load_time = start.elapsed();
@@ -164,7 +165,7 @@ fn main() -> Result<()> {
         &generation,
         dtype,
         &device,
-        load_time.as_secs_f64(),
+        (load_time.as_secs_f64(), load_average),
     )
 }
 
@@ -175,7 +176,7 @@ fn report(
     g: &Generation,
     dtype: DType,
     device: &Device,
-    load_s: f64,
+    (load_s, load_average): (f64, Option<[f64; 3]>),
 ) -> Result<()> {
     let rss = candle_qmoe_suite::system::peak_rss_bytes();
     let decode = g.decode_tokens_per_s();
@@ -220,6 +221,9 @@ fn report(
             "time_to_first_token_s": g.time_to_first_token.as_secs_f64(),
             "decode_time_s": g.decode_time.as_secs_f64(),
             "peak_rss_bytes": rss,
+            "rss_anon_file_bytes_at_end": candle_qmoe_suite::system::rss_anon_file_bytes(),
+            "load_average_at_start": load_average,
+            "load_average_at_end": candle_qmoe_suite::system::load_average(),
             "stop_reason": g.stop,
             "seed": args.seed,
             "temperature": args.temperature,

@@ -24,6 +24,7 @@ use candle_qmoe::plan::{
 };
 use candle_qmoe::residency::Resident;
 use candle_qmoe::synthetic::SyntheticKind;
+use candle_qmoe::QmoeError;
 use candle_qmoe_suite::model::{parse_arg, parse_budget, DenseWeights, Experts};
 use clap::{ArgGroup, Parser, ValueEnum};
 use serde_json::json;
@@ -54,7 +55,7 @@ struct Args {
     /// Hub revision (branch, tag or commit) for --model-id.
     #[arg(long, requires = "model_id")]
     revision: Option<String>,
-    /// The config of a synthetic model: tiny, olmoe or qwen2moe.
+    /// The config of a synthetic model: tiny, olmoe, qwen2moe, qwen3moe or mixtral.
     #[arg(long, value_parser = parse_arg::<SyntheticKind>)]
     synthetic: Option<SyntheticKind>,
     /// How the routed experts are stored.
@@ -160,16 +161,35 @@ fn main() -> Result<()> {
         staging_buffers: args.staging_buffers,
     };
     let requested = Plan::new(&spec, &options)?;
+    // What every JSON report starts with: the run and the model.
+    let header = json!({
+        "source": source,
+        "commit": candle_qmoe_suite::system::git_commit(),
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "model_type": spec.model_type,
+        "device": target.name(),
+        "dtype": format!("{:?}", options.dtype).to_lowercase(),
+        "dense_int8": options.dense_int8,
+        "experts": format!("{:?}", args.experts).to_lowercase(),
+        "group_size": (args.experts == Experts::Int4).then_some(args.group_size),
+        "requested_ctx": args.ctx.unwrap_or(spec.max_position_embeddings),
+        "batch": args.batch,
+        "budget_bytes": args.vram_budget,
+        "margin": args.vram_budget.map(|_| args.margin),
+    });
+    let refused = |e: QmoeError| refusal(args.json.as_deref(), header.clone(), e);
     let plan = match (args.vram_budget, &args.resident) {
         (Some(budget), None) => {
-            let fit = requested.fit(
-                budget,
-                &FitOptions {
-                    weights: args.layer_weights.clone(),
-                    allow_ctx_reduction: args.allow_ctx_reduction,
-                    margin: args.margin,
-                },
-            )?;
+            let fit = requested
+                .fit(
+                    budget,
+                    &FitOptions {
+                        weights: args.layer_weights.clone(),
+                        allow_ctx_reduction: args.allow_ctx_reduction,
+                        margin: args.margin,
+                    },
+                )
+                .map_err(refused)?;
             if fit.ctx_reduced() {
                 println!(
                     "note: context reduced from {} to {} to fit the budget",
@@ -180,7 +200,7 @@ fn main() -> Result<()> {
             fit.plan
         }
         (Some(budget), Some(_)) => {
-            requested.admit(budget, args.margin)?;
+            requested.admit(budget, args.margin).map_err(refused)?;
             requested
         }
         (None, _) => requested,
@@ -211,31 +231,55 @@ fn main() -> Result<()> {
 
     if let Some(path) = &args.json {
         let total = plan.total();
-        let report = json!({
-            "source": source,
-            "commit": candle_qmoe_suite::system::git_commit(),
-            "command": std::env::args().collect::<Vec<_>>().join(" "),
-            "model_type": spec.model_type,
-            "device": target.name(),
-            "dtype": format!("{:?}", plan.options().dtype).to_lowercase(),
-            "dense_int8": plan.options().dense_int8,
-            "experts": format!("{:?}", args.experts).to_lowercase(),
-            "group_size": (args.experts == Experts::Int4).then_some(args.group_size),
-            "ctx": plan.ctx(),
-            "requested_ctx": args.ctx.unwrap_or(spec.max_position_embeddings),
-            "batch": args.batch,
-            "prefill_chunk": args.prefill_chunk.min(plan.ctx()),
-            "budget_bytes": args.vram_budget,
-            "margin": args.vram_budget.map(|_| args.margin),
-            "components": plan.components(),
-            "total_min_bytes": total.min,
-            "total_max_bytes": total.max,
-            "moe_layers": moe,
-            "resident_per_layer": resident,
-            "host": plan.host(),
-        });
-        std::fs::write(path, serde_json::to_string_pretty(&report)? + "\n")
-            .with_context(|| format!("cannot write `{}`", path.display()))?;
+        let mut report = header;
+        report.as_object_mut().expect("an object").extend(
+            json!({
+                "ctx": plan.ctx(),
+                "prefill_chunk": args.prefill_chunk.min(plan.ctx()),
+                "components": plan.components(),
+                "total_min_bytes": total.min,
+                "total_max_bytes": total.max,
+                "moe_layers": moe,
+                "resident_per_layer": resident,
+                "host": plan.host(),
+            })
+            .as_object()
+            .expect("an object")
+            .clone(),
+        );
+        write_json(path, &report)?;
     }
     Ok(())
+}
+
+fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
+    std::fs::write(path, serde_json::to_string_pretty(value)? + "\n")
+        .with_context(|| format!("cannot write `{}`", path.display()))
+}
+
+/// The error of a plan that does not fit, recorded first in the `--json` file (if any) as
+/// `header` plus a `refused` object: the component that does not fit, the bytes it needs, the
+/// bytes left for it, what is missing and the whole message.
+fn refusal(json_path: Option<&Path>, mut header: serde_json::Value, e: QmoeError) -> anyhow::Error {
+    let Some(path) = json_path else {
+        return e.into();
+    };
+    let mut refused = json!({ "message": e.to_string() });
+    if let QmoeError::DoesNotFit {
+        component,
+        needed,
+        available,
+        ..
+    } = &e
+    {
+        refused["component"] = json!(component.to_string());
+        refused["needed_bytes"] = json!(needed);
+        refused["available_bytes"] = json!(available);
+        refused["missing_bytes"] = json!(needed.saturating_sub(*available));
+    }
+    header["refused"] = refused;
+    match write_json(path, &header) {
+        Ok(()) => e.into(),
+        Err(w) => w.context(e),
+    }
 }

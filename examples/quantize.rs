@@ -52,8 +52,8 @@ struct Args {
     /// Local checkpoint folder (config.json + safetensors) instead of the hub.
     #[arg(long, conflicts_with = "synthetic")]
     model_dir: Option<PathBuf>,
-    /// Synthetic model (tiny, olmoe or qwen2moe: real shapes, random BF16 weights) to write as a
-    /// checkpoint folder with --save-checkpoint, instead of reading one.
+    /// Synthetic model (tiny, olmoe, qwen2moe, qwen3moe or mixtral: real shapes, random BF16
+    /// weights) to write as a checkpoint folder with --save-checkpoint, instead of reading one.
     #[arg(long, value_parser = parse_arg::<SyntheticKind>, requires = "save_checkpoint",
           conflicts_with_all = ["model_id", "revision"])]
     synthetic: Option<SyntheticKind>,

@@ -108,6 +108,10 @@ impl Config {
             .context("the synthetic config has no max_position_embeddings")?;
         ensure!(new_tokens >= 1, "generate at least one token");
         ensure!(
+            !kind.large(),
+            "calibration builds the expert pack in memory: use tiny, olmoe or qwen2moe, not {kind}"
+        );
+        ensure!(
             (new_tokens..max as usize).contains(&ctx),
             "ctx {ctx} must be at least the generated tokens ({new_tokens}) and below the \
              model's {max} positions"

@@ -140,14 +140,24 @@ pub fn quantize_to_file_with_progress(
 }
 
 /// Writes the synthetic model `kind` (weights from `seed`) as a Hugging Face checkpoint folder
-/// `dir` with the bundled tokenizer (see [`SyntheticCheckpoint`]), with a progress bar.
+/// `dir` with the bundled tokenizer its synthetic model uses
+/// ([`crate::tokenizer::synthetic_tokenizer_family`]; none for `mixtral`, with a note) (see
+/// [`SyntheticCheckpoint`]), with a progress bar.
 pub fn write_synthetic_checkpoint(
     kind: SyntheticKind,
     seed: u64,
     dir: &Path,
 ) -> Result<WrittenCheckpoint> {
-    let model_type = AnyConfig::from_json_str(&kind.config_json().to_string())?.model_type();
-    let files = crate::tokenizer::bundled_tokenizer_files(model_type)?;
+    let files = match crate::tokenizer::synthetic_tokenizer_family(kind) {
+        Some(family) => crate::tokenizer::bundled_tokenizer_files(family)?,
+        None => {
+            eprintln!(
+                "note: no {kind} tokenizer is bundled: the folder gets none (put the model's \
+                 tokenizer.json there to load it with --model-dir)"
+            );
+            Vec::new()
+        }
+    };
     let files: Vec<(&str, &[u8])> = files.iter().map(|(n, b)| (*n, b.as_slice())).collect();
     let bar = ProgressBar::new(0).with_style(ProgressStyle::with_template(
         "writing checkpoint [{elapsed_precise}] {wide_bar} {binary_bytes}/{binary_total_bytes} \

@@ -72,16 +72,19 @@ pub struct ModelArgs {
     /// Local checkpoint folder (config.json, safetensors, tokenizer.json) instead of the hub.
     #[arg(long, conflicts_with = "synthetic")]
     pub model_dir: Option<PathBuf>,
-    /// Offline model with random weights and real shapes: tiny, olmoe or qwen2moe.
+    /// Offline model with random weights and real shapes: tiny, olmoe, qwen2moe, qwen3moe
+    /// (Qwen3-30B-A3B) or mixtral (Mixtral-8x7B). The 30B-class kinds' expert pack (15 and 23
+    /// GB) is written to a file once (--pack, by default in the cache folder) and memory-mapped.
     #[arg(long, value_parser = parse_arg::<SyntheticKind>)]
     pub synthetic: Option<SyntheticKind>,
     /// Seed of the synthetic model's weights.
     #[arg(long, default_value_t = 42, requires = "synthetic")]
     pub synthetic_seed: u64,
     /// Expert pack: loaded when the file exists (refused if made from another checkpoint),
-    /// otherwise created from the checkpoint and written there. Without it, `--experts int4`
-    /// quantizes in memory at every start.
-    #[arg(long, conflicts_with = "synthetic")]
+    /// otherwise created from the checkpoint (or the --synthetic model) and written there.
+    /// Without it, `--experts int4` quantizes in memory at every start; a qwen3moe or mixtral
+    /// --synthetic model's pack goes to `$XDG_CACHE_HOME/candle-qmoe` (or `~/.cache/candle-qmoe`).
+    #[arg(long)]
     pub pack: Option<PathBuf>,
     /// Verify every expert slab of --pack against its checksum at load, instead of each slab
     /// when it is first read.
@@ -448,7 +451,18 @@ fn load_synthetic(
         args.synthetic_seed
     );
     let group = group_size_or_default(args.group_size)?;
-    let synth = SyntheticModel::new(kind, args.synthetic_seed, group)?;
+    let synth = match synthetic_pack_path(args, kind, group)? {
+        Some(path) => synthetic_with_pack_file(args, kind, group, &path)?,
+        None => SyntheticModel::new(kind, args.synthetic_seed, group)?,
+    };
+    if args.verify {
+        verify_pack(synth.pack())?;
+    }
+    let (tokenizer, note) = crate::tokenizer::synthetic_tokenizer(kind)?;
+    if let Some(note) = note {
+        println!("note: {note}");
+    }
+    let family = crate::tokenizer::synthetic_tokenizer_family(kind);
     let experts = match args.experts {
         Experts::Int4 => with_residency(residency, synth.int4_experts()),
         Experts::Bf16 | Experts::F32 => {
@@ -477,19 +491,98 @@ fn load_synthetic(
         }
     };
     let model = synth.load(dtype, device, &experts)?;
-    let model_type = synth.config().model_type();
     Ok(Loaded {
         model,
-        tokenizer: crate::tokenizer::bundled_tokenizer(model_type)?,
+        tokenizer,
         model_id: format!("synthetic:{kind}"),
         revision: format!("seed {}", args.synthetic_seed),
         instruct: true,
-        chat_template: ChatTemplate::builtin(model_type),
+        chat_template: family.and_then(ChatTemplate::builtin),
         eos: eos_ids(&kind.config_json()),
         group_size: (args.experts == Experts::Int4).then_some(group.get()),
         residency: experts.residency().cloned(),
         context_limit: None,
     })
+}
+
+/// `--verify`: checks every slab of `pack` against its checksum now.
+fn verify_pack(pack: &PackFile) -> Result<()> {
+    let start = std::time::Instant::now();
+    pack.verify()?;
+    println!(
+        "verified the {} of expert slabs in {:.2} s",
+        plan::format_bytes(pack.total_bytes() as u64),
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// Where the expert pack of a synthetic model goes: `--pack`, or for the
+/// [`SyntheticKind::large`] kinds `synthetic-<kind>-seed<N>-g<G>.qmoe` in the cache folder
+/// (`$XDG_CACHE_HOME/candle-qmoe`, else `$HOME/.cache/candle-qmoe`); `None`: built in memory.
+fn synthetic_pack_path(
+    args: &ModelArgs,
+    kind: SyntheticKind,
+    group: GroupSize,
+) -> Result<Option<PathBuf>> {
+    if args.pack.is_some() || !kind.large() {
+        return Ok(args.pack.clone());
+    }
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .context(
+            "neither XDG_CACHE_HOME nor HOME is set: pass --pack FILE for the synthetic pack",
+        )?;
+    let name = format!(
+        "synthetic-{kind}-seed{}-g{}.qmoe",
+        args.synthetic_seed,
+        group.get()
+    );
+    Ok(Some(cache.join("candle-qmoe").join(name)))
+}
+
+/// The synthetic model with its experts memory-mapped from the pack at `path`, written first
+/// (one MoE layer at a time, with a progress bar) when it does not exist.
+fn synthetic_with_pack_file(
+    args: &ModelArgs,
+    kind: SyntheticKind,
+    group: GroupSize,
+    path: &std::path::Path,
+) -> Result<SyntheticModel> {
+    let seed = args.synthetic_seed;
+    if path.exists() {
+        println!(
+            "expert pack `{}` (synthetic {kind}, seed {seed})",
+            path.display()
+        );
+        return Ok(SyntheticModel::with_pack_file(
+            kind,
+            seed,
+            group,
+            path,
+            &|_, _| {},
+        )?);
+    }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create the folder `{}`", dir.display()))?;
+    }
+    println!(
+        "creating the synthetic expert pack `{}`: {} of INT4 experts, one MoE layer at a time \
+         (later runs memory-map it)",
+        path.display(),
+        plan::format_bytes(kind.pack_bytes(group)?)
+    );
+    let bar = indicatif::ProgressBar::new(0).with_style(indicatif::ProgressStyle::with_template(
+        "writing experts [{elapsed_precise}] {wide_bar} MoE layer {pos}/{len} ({eta} left)",
+    )?);
+    let synth = SyntheticModel::with_pack_file(kind, seed, group, path, &|done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    });
+    bar.finish();
+    Ok(synth?)
 }
 
 /// The expert pack for `--experts int4`: `--pack` loaded or created, or quantized in memory.
@@ -509,13 +602,7 @@ fn int4_pack(args: &ModelArgs, ckpt: &crate::checkpoint::Checkpoint) -> Result<P
     }
     let pack = PackFile::open(path)?;
     if args.verify {
-        let start = std::time::Instant::now();
-        pack.verify()?;
-        println!(
-            "verified the {} of expert slabs in {:.2} s",
-            plan::format_bytes(pack.total_bytes() as u64),
-            start.elapsed().as_secs_f64()
-        );
+        verify_pack(&pack)?;
     }
     let m = pack.meta();
     if let Some(g) = args.group_size.filter(|&g| g != m.layout.group_size.get()) {

@@ -8,12 +8,26 @@ use serde::Serialize;
 
 use crate::perf::median;
 
-/// Peak resident set size of this process (`VmHWM`), in bytes; `None` where /proc is missing.
-pub fn peak_rss_bytes() -> Option<u64> {
+/// The size field `field` (e.g. `VmHWM`) of `/proc/self/status`, in bytes.
+fn status_bytes(field: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let line = status
+        .lines()
+        .find(|l| l.strip_prefix(field).is_some_and(|r| r.starts_with(':')))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+/// Peak resident set size of this process (`VmHWM`), in bytes; `None` where /proc is missing.
+pub fn peak_rss_bytes() -> Option<u64> {
+    status_bytes("VmHWM")
+}
+
+/// The resident set of this process now, split into anonymous memory (`RssAnon`: heap, the
+/// weights built in memory) and mapped file pages (`RssFile`: e.g. the pages of a memory-mapped
+/// pack read so far, which the kernel can drop and read again), in bytes.
+pub fn rss_anon_file_bytes() -> Option<(u64, u64)> {
+    Some((status_bytes("RssAnon")?, status_bytes("RssFile")?))
 }
 
 /// User and system CPU time of this process so far, in seconds (`/proc/self/stat`, in the

@@ -5,7 +5,8 @@ use candle::DType;
 use candle_qmoe::models::{AnyConfig, ModelConfig, ModelSpec};
 use candle_qmoe::pack::{ExpertLayout, GroupSize};
 use candle_qmoe::plan::{
-    parse_bytes, ByteRange, Component, ExpertStorage, FitOptions, Plan, PlanOptions, Target,
+    format_bytes, parse_bytes, ByteRange, Component, ExpertStorage, FitOptions, Plan, PlanOptions,
+    Target,
 };
 use candle_qmoe::residency::Resident;
 use candle_qmoe::synthetic::SyntheticKind;
@@ -310,6 +311,8 @@ fn real_model_configs_match_synthetic_shapes() {
     for (file, kind) in [
         ("olmoe-1b-7b-0924.json", SyntheticKind::Olmoe),
         ("qwen1.5-moe-a2.7b.json", SyntheticKind::Qwen2Moe),
+        ("qwen3-30b-a3b.json", SyntheticKind::Qwen3Moe),
+        ("mixtral-8x7b-instruct-v0.1.json", SyntheticKind::Mixtral),
     ] {
         let text = std::fs::read_to_string(dir.join(file)).unwrap();
         let value: serde_json::Value = serde_json::from_str(&text).unwrap();
@@ -566,11 +569,18 @@ fn fit_refuses_naming_the_component() {
         Some((Component::KvCache, 524_288, 1000)),
         "{err}"
     );
-    // Not even the weights fit.
+    // Not even the weights fit: the message names them and what is missing.
     let err = refuse(700 * MIB + 1000);
     assert_eq!(
         does_not_fit(&err),
         Some((Component::NonExpertWeights, 1_651_200, 1000)),
+        "{err}"
+    );
+    assert!(
+        err.to_string().starts_with(&format!(
+            "non_expert_weights needs 1.57 MiB but only 1000 B is available ({} missing)",
+            format_bytes(1_650_200)
+        )),
         "{err}"
     );
     assert!(err.to_string().contains("no context length fits"), "{err}");

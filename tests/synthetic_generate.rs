@@ -224,3 +224,35 @@ fn bf16_weights_track_the_f32_path_and_count_their_bytes() {
     let want = per_layer + 4 * h + 2 * v * h + 2 * h;
     assert_eq!(bf16_model.weight_bytes_per_token(), want);
 }
+
+/// The tokenizers of the 30B-class synthetic kinds: Qwen1.5's for qwen3moe (its ids, ChatML
+/// markers included, fit Qwen3's vocabulary and its `eos_token_id` is `<|im_end|>`), and for
+/// mixtral the byte stand-in, whose ids are Mistral's byte-fallback ids.
+#[test]
+fn the_30b_class_synthetic_tokenizers_fit_their_vocabularies() {
+    use candle_qmoe_suite::tokenizer::{synthetic_tokenizer, synthetic_tokenizer_family};
+    let (qwen, note) = synthetic_tokenizer(SyntheticKind::Qwen3Moe).unwrap();
+    assert!(note.unwrap().contains("Qwen1.5"));
+    let spec = SyntheticKind::Qwen3Moe.spec().unwrap();
+    assert!(qwen.get_vocab_size(true) <= spec.vocab_size);
+    let eos = SyntheticKind::Qwen3Moe.config_json()["eos_token_id"].as_u64();
+    assert_eq!(qwen.token_to_id("<|im_end|>").map(u64::from), eos);
+    assert_eq!(
+        synthetic_tokenizer_family(SyntheticKind::Qwen3Moe),
+        Some("qwen2_moe")
+    );
+
+    let (bytes, note) = synthetic_tokenizer(SyntheticKind::Mixtral).unwrap();
+    assert!(note.unwrap().contains("no mixtral tokenizer is bundled"));
+    assert_eq!(bytes.get_vocab_size(true), 32000);
+    let text = "Héllo [INST]";
+    let ids = bytes.encode(text, true).unwrap().get_ids().to_vec();
+    let want: Vec<u32> = std::iter::once(1)
+        .chain(text.bytes().map(|b| 3 + b as u32))
+        .collect();
+    assert_eq!(ids, want);
+    assert_eq!(bytes.decode(&ids, true).unwrap(), text);
+    let mixed = [72 + 3, 31999, 105 + 3, 2];
+    assert_eq!(bytes.decode(&mixed, true).unwrap(), "H[31999]i");
+    assert_eq!(synthetic_tokenizer_family(SyntheticKind::Mixtral), None);
+}

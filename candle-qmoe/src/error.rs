@@ -210,9 +210,10 @@ pub enum QmoeError {
     Residency(String),
     /// A component of the memory plan does not fit the budget.
     #[error(
-        "{component} needs {} but only {} is available: {breakdown}",
+        "{component} needs {} but only {} is available ({} missing): {breakdown}",
         crate::plan::format_bytes(*needed),
-        crate::plan::format_bytes(*available)
+        crate::plan::format_bytes(*available),
+        crate::plan::format_bytes(needed.saturating_sub(*available))
     )]
     DoesNotFit {
         /// The component that does not fit.

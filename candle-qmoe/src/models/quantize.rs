@@ -154,10 +154,6 @@ pub fn quantize_checkpoint_to_file(
     let q = Quantizer::open(dir.as_ref(), opts)?;
     let done = AtomicUsize::new(0);
     let tick = ticker(q.total_experts(), &done, on_progress);
-    let mut out = PackWriter::create(path, &q.meta, q.layers.iter().copied())?;
-    for &i in &q.layers {
-        out.write_layer(i, &q.layer(i, &tick)?)?;
-    }
-    out.finish()?;
+    PackWriter::write_streamed(path, &q.meta, &q.layers, |i| q.layer(i, &tick))?;
     Ok(q.meta)
 }

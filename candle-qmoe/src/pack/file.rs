@@ -172,6 +172,22 @@ impl PackWriter {
         Ok(())
     }
 
+    /// Writes the pack of the MoE layers `layers` (in this order) with the header `meta` to
+    /// `path`, one layer at a time: `layer(i)` makes layer `i`'s slabs, which are written and
+    /// dropped before the next layer is made, so only one layer is ever held in memory.
+    pub fn write_streamed(
+        path: &Path,
+        meta: &PackMeta,
+        layers: &[usize],
+        mut layer: impl FnMut(usize) -> crate::Result<LayerPack>,
+    ) -> crate::Result<()> {
+        let mut out = Self::create(path, meta, layers.iter().copied())?;
+        for &i in layers {
+            out.write_layer(i, &layer(i)?)?;
+        }
+        out.finish()
+    }
+
     /// Appends the checksums and puts the file in place (see [`SafetensorsWriter::finish`]).
     pub fn finish(mut self) -> crate::Result<()> {
         let experts = self.meta.num_experts;
@@ -210,11 +226,8 @@ impl PackFile {
 
     /// Writes this pack to `path` (see [`PackFile::write`]).
     pub fn save(&self, path: &Path) -> crate::Result<()> {
-        let mut w = PackWriter::create(path, &self.meta, self.layers.keys().copied())?;
-        for (i, p) in &self.layers {
-            w.write_layer(*i, p)?;
-        }
-        w.finish()
+        let indices: Vec<usize> = self.layers.keys().copied().collect();
+        PackWriter::write_streamed(path, &self.meta, &indices, |i| self.layer(i))
     }
 
     /// Bytes of packed experts over all layers.
@@ -224,11 +237,11 @@ impl PackFile {
 
     /// Writes `layers` (MoE layer index → pack) with `meta` to `path`.
     pub fn write(path: &Path, meta: &PackMeta, layers: &[(usize, LayerPack)]) -> crate::Result<()> {
-        let mut w = PackWriter::create(path, meta, layers.iter().map(|(i, _)| *i))?;
-        for (i, p) in layers {
-            w.write_layer(*i, p)?;
-        }
-        w.finish()
+        let indices: Vec<usize> = layers.iter().map(|(i, _)| *i).collect();
+        let mut packs = layers.iter().map(|(_, p)| p.clone());
+        PackWriter::write_streamed(path, meta, &indices, |_| {
+            Ok(packs.next().expect("one pack per index"))
+        })
     }
 
     /// Memory-maps and validates a `.qmoe` file.

@@ -1,11 +1,13 @@
 //! Deterministic random weights, activations and routings with realistic scales, for
 //! benchmarks, tests and offline demos (no download needed).
 //!
-//! [`SyntheticModel`] builds a whole model with the real shapes of OLMoE-1B-7B or
-//! Qwen1.5-MoE-A2.7B (or a tiny one) in seconds: random non-expert weights (uniform, std 0.02,
-//! norms = 1) in a VarBuilder and the routed experts generated directly as random INT4 slabs in
-//! an in-memory [`PackFile`]. Random weights produce nonsense text; they exercise exactly the code
-//! and memory traffic of the real model.
+//! [`SyntheticModel`] builds a whole model with the real shapes of OLMoE-1B-7B,
+//! Qwen1.5-MoE-A2.7B, Qwen3-30B-A3B or Mixtral-8x7B (or a tiny one): random non-expert weights
+//! (uniform, std 0.02, norms = 1) in a VarBuilder and the routed experts generated directly as
+//! random INT4 slabs, in an in-memory [`PackFile`] (seconds for the small kinds) or, for the
+//! 30B-class kinds, written to a `.qmoe` file one layer at a time and memory-mapped
+//! ([`SyntheticModel::with_pack_file`]). Random weights produce nonsense text; they exercise
+//! exactly the code and memory traffic of the real model.
 //!
 //! Every weight is a BF16 value (the non-expert weights are rounded to BF16, and the experts'
 //! scales have few enough significant bits that each dequantized weight is exact in BF16), so
@@ -15,6 +17,7 @@
 pub mod checkpoint;
 
 use std::collections::HashMap;
+use std::path::Path;
 use std::str::FromStr;
 use std::sync::Arc;
 
@@ -30,7 +33,7 @@ use crate::models::{
 use crate::pack::file::checkpoint_fingerprint;
 use crate::pack::layout::nibble_position;
 use crate::pack::{
-    DenseExpert, ExpertLayout, GroupSize, LayerPack, PackFile, PackMeta, ScaleSearch,
+    DenseExpert, ExpertLayout, GroupSize, LayerPack, PackFile, PackMeta, PackWriter, ScaleSearch,
 };
 use crate::QmoeError;
 
@@ -158,6 +161,14 @@ pub enum SyntheticKind {
     /// Qwen1.5-MoE-A2.7B: 24 layers, H 2048, 60 experts top-4, I 1408, shared expert 5632,
     /// q/k/v bias, vocab 151936.
     Qwen2Moe,
+    /// Qwen3-30B-A3B: 48 layers, H 2048, 32 heads of 128 over 4 kv heads, per-head q/k norm,
+    /// 128 experts top-8 (renormalised), I 768, vocab 151936. Its INT4 pack (15 GB at group
+    /// size 128) is written to a file and memory-mapped ([`SyntheticKind::large`]).
+    Qwen3Moe,
+    /// Mixtral-8x7B: 32 layers, H 4096, 32 heads over 8 kv heads, 8 experts top-2, I 14336,
+    /// vocab 32000. Its INT4 pack (23 GB at group size 128) is written to a file and
+    /// memory-mapped ([`SyntheticKind::large`]).
+    Mixtral,
 }
 
 /// The routed experts of one MoE layer: the shape the kernels, benches and sweeps use.
@@ -186,15 +197,42 @@ impl MoeShape {
 
 impl SyntheticKind {
     /// Every kind.
-    pub const ALL: [Self; 3] = [Self::Tiny, Self::Olmoe, Self::Qwen2Moe];
+    pub const ALL: [Self; 5] = [
+        Self::Tiny,
+        Self::Olmoe,
+        Self::Qwen2Moe,
+        Self::Qwen3Moe,
+        Self::Mixtral,
+    ];
 
-    /// The name used on command lines (`tiny`, `olmoe`, `qwen2moe`).
+    /// The name used on command lines (`tiny`, `olmoe`, `qwen2moe`, `qwen3moe`, `mixtral`).
     pub fn name(self) -> &'static str {
         match self {
             Self::Tiny => "tiny",
             Self::Olmoe => "olmoe",
             Self::Qwen2Moe => "qwen2moe",
+            Self::Qwen3Moe => "qwen3moe",
+            Self::Mixtral => "mixtral",
         }
+    }
+
+    /// The 30B-class kinds, whose INT4 pack (15–23 GB) is too large to build in memory: it is
+    /// written to a file one layer at a time and memory-mapped
+    /// ([`SyntheticModel::with_pack_file`]).
+    pub fn large(self) -> bool {
+        matches!(self, Self::Qwen3Moe | Self::Mixtral)
+    }
+
+    /// The architecture of this kind (from [`Self::config_json`]).
+    pub fn spec(self) -> crate::Result<ModelSpec> {
+        AnyConfig::from_json_str(&self.config_json().to_string())?.spec()
+    }
+
+    /// Bytes of this kind's INT4 pack at `group_size` (every MoE layer's slabs).
+    pub fn pack_bytes(self, group_size: GroupSize) -> crate::Result<u64> {
+        let spec = self.spec()?;
+        let slab = self.moe_shape().layout(group_size).slab_bytes();
+        Ok((spec.moe_layers().len() * self.moe_shape().experts * slab) as u64)
     }
 
     /// The routed-expert shape of each MoE layer.
@@ -203,6 +241,8 @@ impl SyntheticKind {
             Self::Tiny => (256, 128, 8, 2),
             Self::Olmoe => (2048, 1024, 64, 8),
             Self::Qwen2Moe => (2048, 1408, 60, 4),
+            Self::Qwen3Moe => (2048, 768, 128, 8),
+            Self::Mixtral => (4096, 14336, 8, 2),
         };
         MoeShape {
             hidden,
@@ -212,7 +252,8 @@ impl SyntheticKind {
         }
     }
 
-    /// The Hugging Face `config.json` of this shape.
+    /// The Hugging Face `config.json` of this shape: for the full-size kinds, the published
+    /// `config.json` of the model they mimic (`examples/configs/`).
     pub fn config_json(self) -> serde_json::Value {
         use serde_json::json;
         let moe = self.moe_shape();
@@ -275,6 +316,71 @@ impl SyntheticKind {
                 "bos_token_id": 151643,
                 "eos_token_id": 151643
             }),
+            // Qwen/Qwen3-30B-A3B's config.json.
+            Self::Qwen3Moe => json!({
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "attention_bias": false,
+                "attention_dropout": 0.0,
+                "bos_token_id": 151643,
+                "decoder_sparse_step": 1,
+                "eos_token_id": 151645,
+                "head_dim": 128,
+                "hidden_act": "silu",
+                "hidden_size": moe.hidden,
+                "initializer_range": 0.02,
+                "intermediate_size": 6144,
+                "max_position_embeddings": 40960,
+                "max_window_layers": 48,
+                "mlp_only_layers": [],
+                "model_type": "qwen3_moe",
+                "moe_intermediate_size": moe.intermediate,
+                "norm_topk_prob": true,
+                "num_attention_heads": 32,
+                "num_experts": moe.experts,
+                "num_experts_per_tok": moe.top_k,
+                "num_hidden_layers": 48,
+                "num_key_value_heads": 4,
+                "output_router_logits": false,
+                "rms_norm_eps": 1e-6,
+                "rope_scaling": null,
+                "rope_theta": 1000000.0,
+                "router_aux_loss_coef": 0.001,
+                "sliding_window": null,
+                "tie_word_embeddings": false,
+                "torch_dtype": "bfloat16",
+                "transformers_version": "4.51.0",
+                "use_cache": true,
+                "use_sliding_window": false,
+                "vocab_size": 151936
+            }),
+            // mistralai/Mixtral-8x7B-Instruct-v0.1's config.json.
+            Self::Mixtral => json!({
+                "architectures": ["MixtralForCausalLM"],
+                "attention_dropout": 0.0,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "hidden_act": "silu",
+                "hidden_size": moe.hidden,
+                "initializer_range": 0.02,
+                "intermediate_size": moe.intermediate,
+                "max_position_embeddings": 32768,
+                "model_type": "mixtral",
+                "num_attention_heads": 32,
+                "num_experts_per_tok": moe.top_k,
+                "num_hidden_layers": 32,
+                "num_key_value_heads": 8,
+                "num_local_experts": moe.experts,
+                "output_router_logits": false,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 1000000.0,
+                "router_aux_loss_coef": 0.02,
+                "sliding_window": null,
+                "tie_word_embeddings": false,
+                "torch_dtype": "bfloat16",
+                "transformers_version": "4.36.0.dev0",
+                "use_cache": true,
+                "vocab_size": 32000
+            }),
         }
     }
 }
@@ -296,7 +402,7 @@ impl FromStr for SyntheticKind {
                 QmoeError::unsupported(
                     "synthetic model",
                     s,
-                    "is not supported (use one of: tiny, olmoe, qwen2moe)",
+                    "is not supported (use one of: tiny, olmoe, qwen2moe, qwen3moe, mixtral)",
                 )
             })
     }
@@ -583,8 +689,63 @@ fn layer_tensors(spec: &ModelSpec, i: usize) -> Vec<NonExpert> {
     out
 }
 
+/// The header of the INT4 pack of `kind` from `seed` at `group_size` (its fingerprint covers
+/// the config and the seed), and the MoE layers it holds.
+fn pack_header(
+    kind: SyntheticKind,
+    seed: u64,
+    group_size: GroupSize,
+) -> crate::Result<(PackMeta, Vec<usize>)> {
+    let config_json = kind.config_json().to_string();
+    let spec = AnyConfig::from_json_str(&config_json)?.spec()?;
+    let moe = spec.uniform_moe()?;
+    let meta = PackMeta {
+        layout: ExpertLayout {
+            hidden: spec.hidden_size,
+            intermediate: moe.intermediate_size,
+            group_size,
+        },
+        num_experts: moe.num_experts,
+        scale_search: ScaleSearch::Rtn,
+        source_model: format!("synthetic:{kind}"),
+        source_revision: format!("seed {seed}"),
+        fingerprint: checkpoint_fingerprint(config_json.as_bytes(), [&seed.to_le_bytes()[..]]),
+    };
+    Ok((meta, spec.moe_layers()))
+}
+
+/// MoE layer `layer`'s random slabs in the synthetic pack `meta` from `seed`.
+fn synthetic_layer(seed: u64, meta: &PackMeta, layer: usize) -> crate::Result<LayerPack> {
+    random_layer_pack(experts_seed(seed, layer), meta.layout, meta.num_experts)
+}
+
+/// Writes the INT4 pack of the synthetic model `kind` (weights from `seed`, at `group_size`) to
+/// the `.qmoe` file `path` one MoE layer at a time ([`PackWriter::write_streamed`]), so only one
+/// layer is ever in memory (311 MB for [`SyntheticKind::Qwen3Moe`]); the file holds the same
+/// bytes as the in-memory pack of [`SyntheticModel::new`] saved with [`PackFile::save`].
+/// `on_layer(done, total)` is called after each layer is written; the file appears under its name
+/// only once complete. Returns the header written.
+pub fn write_pack(
+    kind: SyntheticKind,
+    seed: u64,
+    group_size: GroupSize,
+    path: &Path,
+    on_layer: &dyn Fn(usize, usize),
+) -> crate::Result<PackMeta> {
+    let (meta, layers) = pack_header(kind, seed, group_size)?;
+    let mut done = 0;
+    PackWriter::write_streamed(path, &meta, &layers, |i| {
+        let pack = synthetic_layer(seed, &meta, i);
+        done += 1;
+        on_layer(done, layers.len());
+        pack
+    })?;
+    Ok(meta)
+}
+
 /// A model with the real shapes and deterministic random weights: the non-expert tensors (BF16,
-/// on the CPU) for a VarBuilder and the routed experts as an in-memory INT4 [`PackFile`].
+/// on the CPU) for a VarBuilder and the routed experts as an INT4 [`PackFile`], in memory
+/// ([`Self::new`]) or memory-mapped from a file ([`Self::with_pack_file`]).
 ///
 /// The same kind, seed and group size always give the same weights, whatever the thread count.
 pub struct SyntheticModel {
@@ -598,8 +759,58 @@ pub struct SyntheticModel {
 }
 
 impl SyntheticModel {
-    /// Generates the weights of `kind` from `seed`, with experts packed at `group_size`.
+    /// Generates the weights of `kind` from `seed`, with experts packed at `group_size` in
+    /// memory (for the [`SyntheticKind::large`] kinds that is 15–23 GB: use
+    /// [`Self::with_pack_file`]).
     pub fn new(kind: SyntheticKind, seed: u64, group_size: GroupSize) -> candle::Result<Self> {
+        let (meta, layers) = pack_header(kind, seed, group_size)?;
+        let layers = layers
+            .into_iter()
+            .map(|i| Ok((i, synthetic_layer(seed, &meta, i)?)))
+            .collect::<crate::Result<Vec<_>>>()?;
+        Self::with_pack(kind, seed, PackFile::from_layers(meta, layers)?)
+    }
+
+    /// Like [`Self::new`], but the experts are memory-mapped from the `.qmoe` file `path`,
+    /// written first (one layer at a time, see [`write_pack`]; `on_layer(done, total)` after
+    /// each layer) when it does not exist. An existing file must hold exactly this kind, seed
+    /// and group size, else [`QmoeError::CorruptPack`] naming it. Only the pages of the experts
+    /// in use become resident, so a 30B-class model runs in far less memory than its pack.
+    pub fn with_pack_file(
+        kind: SyntheticKind,
+        seed: u64,
+        group_size: GroupSize,
+        path: &Path,
+        on_layer: &dyn Fn(usize, usize),
+    ) -> candle::Result<Self> {
+        let (meta, _) = pack_header(kind, seed, group_size)?;
+        if !path.exists() {
+            write_pack(kind, seed, group_size, path, on_layer)?;
+        }
+        let pack = PackFile::open(path)?;
+        let m = pack.meta();
+        if m != &meta {
+            return Err(QmoeError::CorruptPack {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "it holds the experts of {} ({}, group size {}), not those of {} ({}, group \
+                     size {}); delete it or choose another path",
+                    m.source_model,
+                    m.source_revision,
+                    m.layout.group_size.get(),
+                    meta.source_model,
+                    meta.source_revision,
+                    group_size.get()
+                ),
+            }
+            .into());
+        }
+        Self::with_pack(kind, seed, pack)
+    }
+
+    /// The model of `kind` from `seed` with the experts `pack`: generates the non-expert
+    /// weights.
+    fn with_pack(kind: SyntheticKind, seed: u64, pack: PackFile) -> candle::Result<Self> {
         let config_json = kind.config_json().to_string();
         let config = AnyConfig::from_json_str(&config_json)?;
         let spec = config.spec()?;
@@ -614,29 +825,6 @@ impl SyntheticModel {
                 Ok((t.name, tensor))
             })
             .collect::<candle::Result<HashMap<_, _>>>()?;
-        let moe = spec.uniform_moe()?;
-        let layout = ExpertLayout {
-            hidden: spec.hidden_size,
-            intermediate: moe.intermediate_size,
-            group_size,
-        };
-        let layers = spec
-            .moe_layers()
-            .into_iter()
-            .map(|i| {
-                let s = experts_seed(seed, i);
-                Ok((i, random_layer_pack(s, layout, moe.num_experts)?))
-            })
-            .collect::<Result<Vec<_>, QmoeError>>()?;
-        let meta = PackMeta {
-            layout,
-            num_experts: moe.num_experts,
-            scale_search: ScaleSearch::Rtn,
-            source_model: format!("synthetic:{kind}"),
-            source_revision: format!("seed {seed}"),
-            fingerprint: checkpoint_fingerprint(config_json.as_bytes(), [&seed.to_le_bytes()[..]]),
-        };
-        let pack = Arc::new(PackFile::from_layers(meta, layers)?);
         Ok(Self {
             kind,
             seed,
@@ -644,7 +832,7 @@ impl SyntheticModel {
             config,
             spec,
             tensors,
-            pack,
+            pack: Arc::new(pack),
         })
     }
 
@@ -765,6 +953,134 @@ mod tests {
         );
     }
 
+    /// Parameters of `kind`: the non-expert tensors and the routed experts.
+    fn parameters(kind: SyntheticKind) -> (usize, usize) {
+        let spec = kind.spec().unwrap();
+        let dense = non_expert_tensors(&spec)
+            .iter()
+            .map(|t| t.shape.iter().product::<usize>())
+            .sum();
+        let m = kind.moe_shape();
+        let experts = spec.moe_layers().len() * m.experts * 3 * m.hidden * m.intermediate;
+        (dense, experts)
+    }
+
+    #[test]
+    fn the_30b_class_kinds_have_the_published_shapes() {
+        use crate::models::{MoeNames, QkNorm};
+        // Qwen3-30B-A3B: 30.5B parameters, 3.3B active; Mixtral-8x7B: 46.7B, 12.9B active (the
+        // model cards' figures, to their rounding).
+        for (kind, total, active) in [
+            (SyntheticKind::Qwen3Moe, 30.5e9, 3.3e9),
+            (SyntheticKind::Mixtral, 46.7e9, 12.9e9),
+        ] {
+            let (dense, experts) = parameters(kind);
+            let m = kind.moe_shape();
+            let per_token = dense + experts * m.top_k / m.experts;
+            let close = |got: usize, want: f64| (got as f64 / want - 1.0).abs() < 0.02;
+            assert!(close(dense + experts, total), "{kind}: {}", dense + experts);
+            assert!(close(per_token, active), "{kind}: {per_token}");
+            assert!(kind.large());
+        }
+        // Layers, hidden, heads, kv heads, head dim, experts, top-k, expert I, vocab, context.
+        for (kind, want) in [
+            (
+                SyntheticKind::Qwen3Moe,
+                [48, 2048, 32, 4, 128, 128, 8, 768, 151936, 40960],
+            ),
+            (
+                SyntheticKind::Mixtral,
+                [32, 4096, 32, 8, 128, 8, 2, 14336, 32000, 32768],
+            ),
+        ] {
+            let s = kind.spec().unwrap();
+            let m = s.uniform_moe().unwrap();
+            let got = [
+                s.num_layers(),
+                s.hidden_size,
+                s.num_heads,
+                s.num_kv_heads,
+                s.head_dim,
+                m.num_experts,
+                m.top_k,
+                m.intermediate_size,
+                s.vocab_size,
+                s.max_position_embeddings,
+            ];
+            assert_eq!(got, want, "{kind}");
+            assert!(m.norm_topk_prob && !s.tie_word_embeddings, "{kind}");
+            assert_eq!(s.rope_theta, 1e6);
+        }
+        let q = SyntheticKind::Qwen3Moe.spec().unwrap();
+        assert_eq!(q.attention.qk_norm, QkNorm::PerHead);
+        let x = SyntheticKind::Mixtral.spec().unwrap();
+        assert_eq!(x.attention.qk_norm, QkNorm::None);
+        assert_eq!(x.uniform_moe().unwrap().names, MoeNames::MIXTRAL);
+        // The Mixtral tensors a checkpoint names: its router lives in `block_sparse_moe`.
+        let names: Vec<String> = non_expert_tensors(&x).into_iter().map(|t| t.name).collect();
+        assert!(names.contains(&"model.layers.31.block_sparse_moe.gate.weight".to_string()));
+        // INT4 g128: 0.5 byte per weight plus an FP16 scale per 128.
+        let g = GroupSize::default();
+        let pack = |k: SyntheticKind| k.pack_bytes(g).unwrap();
+        assert_eq!(pack(SyntheticKind::Qwen3Moe), 48 * 128 * 2_433_024);
+        assert_eq!(pack(SyntheticKind::Mixtral) / 1_000_000_000, 23);
+        assert!(!SyntheticKind::Olmoe.large());
+    }
+
+    #[test]
+    fn the_streamed_pack_file_is_the_in_memory_pack() {
+        let dir = std::env::temp_dir().join(format!("qmoe-synth-pack-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (kind, seed, g) = (SyntheticKind::Tiny, 3, GroupSize::new(64).unwrap());
+        let saved = dir.join("saved.qmoe");
+        let model = SyntheticModel::new(kind, seed, g).unwrap();
+        model.pack().save(&saved).unwrap();
+        let streamed = dir.join("streamed.qmoe");
+        let ticks = std::sync::Mutex::new(Vec::new());
+        let mapped = SyntheticModel::with_pack_file(kind, seed, g, &streamed, &|d, n| {
+            ticks.lock().unwrap().push((d, n))
+        })
+        .unwrap();
+        assert_eq!(ticks.into_inner().unwrap(), [(1, 2), (2, 2)]);
+        // The same header (the metadata map's order in the JSON text may differ) and the same
+        // data section, byte for byte.
+        let (a, b) = (
+            std::fs::read(&saved).unwrap(),
+            std::fs::read(&streamed).unwrap(),
+        );
+        assert_eq!(a.len(), b.len());
+        let header = |f: &[u8]| {
+            let (n, h) = safetensors::SafeTensors::read_metadata(f).unwrap();
+            let mut tensors: Vec<_> = h
+                .tensors()
+                .into_iter()
+                .map(|(name, t)| (name, t.dtype, t.shape.clone(), t.data_offsets))
+                .collect();
+            tensors.sort_by(|x, y| x.0.cmp(&y.0));
+            (n, h.metadata().clone(), tensors)
+        };
+        let (n, ..) = header(&a);
+        assert_eq!(header(&a), header(&b));
+        assert!(a[8 + n..] == b[8 + n..], "the data sections differ");
+        assert_eq!(mapped.fingerprint(), model.fingerprint());
+        assert_eq!(mapped.pack().meta(), model.pack().meta());
+        // Opened again without writing; another seed or group size is refused, naming the file.
+        let never = |_: usize, _: usize| panic!("an existing pack is not written again");
+        SyntheticModel::with_pack_file(kind, seed, g, &streamed, &never).unwrap();
+        for (seed, g) in [(4, g), (seed, GroupSize::default())] {
+            let err = SyntheticModel::with_pack_file(kind, seed, g, &streamed, &never)
+                .err()
+                .unwrap();
+            let err = QmoeError::find(&err).unwrap();
+            assert!(
+                matches!(err, QmoeError::CorruptPack { path, reason }
+                    if path == &streamed && reason.contains("seed 3, group size 64")),
+                "{err}"
+            );
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn uniform_has_the_requested_std_and_kinds_parse() {
         let v = uniform(4, 100_000, 0.02);
@@ -779,9 +1095,9 @@ mod tests {
                 .unwrap();
         }
         assert!(matches!(
-            "mixtral".parse::<SyntheticKind>(),
+            "deepseek".parse::<SyntheticKind>(),
             Err(QmoeError::UnsupportedConfig { field, value, .. })
-                if field == "synthetic model" && value == "mixtral"
+                if field == "synthetic model" && value == "deepseek"
         ));
     }
 }
