@@ -543,7 +543,8 @@ fn synthetic_pack_path(
 }
 
 /// The synthetic model with its experts memory-mapped from the pack at `path`, written first
-/// (one MoE layer at a time, with a progress bar) when it does not exist.
+/// (one MoE layer at a time, with a progress bar) when it does not exist, after checking that
+/// its folder's disk has room for it.
 fn synthetic_with_pack_file(
     args: &ModelArgs,
     kind: SyntheticKind,
@@ -551,32 +552,39 @@ fn synthetic_with_pack_file(
     path: &std::path::Path,
 ) -> Result<SyntheticModel> {
     let seed = args.synthetic_seed;
-    if path.exists() {
+    let bar = if path.exists() {
         println!(
             "expert pack `{}` (synthetic {kind}, seed {seed})",
             path.display()
         );
-        return Ok(SyntheticModel::with_pack_file(
-            kind,
-            seed,
-            group,
-            path,
-            &|_, _| {},
-        )?);
-    }
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        indicatif::ProgressBar::hidden()
+    } else {
+        let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+        let dir = dir.unwrap_or(std::path::Path::new("."));
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create the folder `{}`", dir.display()))?;
-    }
-    println!(
-        "creating the synthetic expert pack `{}`: {} of INT4 experts, one MoE layer at a time \
-         (later runs memory-map it)",
-        path.display(),
-        plan::format_bytes(kind.pack_bytes(group)?)
-    );
-    let bar = indicatif::ProgressBar::new(0).with_style(indicatif::ProgressStyle::with_template(
-        "writing experts [{elapsed_precise}] {wide_bar} MoE layer {pos}/{len} ({eta} left)",
-    )?);
+        let need = kind.pack_bytes(group)?;
+        let free = fs2::available_space(dir)
+            .with_context(|| format!("cannot read the free space of `{}`", dir.display()))?;
+        if free < need {
+            bail!(
+                "the synthetic {kind} expert pack needs {} on disk but `{}` has {} free: free \
+                 some space or pass --pack FILE on another disk",
+                plan::format_bytes(need),
+                dir.display(),
+                plan::format_bytes(free)
+            );
+        }
+        println!(
+            "creating the synthetic expert pack `{}`: {} of INT4 experts, one MoE layer at a \
+             time (later runs memory-map it)",
+            path.display(),
+            plan::format_bytes(need)
+        );
+        indicatif::ProgressBar::new(0).with_style(indicatif::ProgressStyle::with_template(
+            "writing experts [{elapsed_precise}] {wide_bar} MoE layer {pos}/{len} ({eta} left)",
+        )?)
+    };
     let synth = SyntheticModel::with_pack_file(kind, seed, group, path, &|done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
