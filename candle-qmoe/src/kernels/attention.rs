@@ -10,6 +10,7 @@
 //! (and by half again when it grows), so a long generation copies the cache a few times in all
 //! instead of once per token.
 
+use candle::DType;
 use half::bf16;
 use rayon::prelude::*;
 
@@ -29,6 +30,24 @@ pub enum KvDtype {
 }
 
 impl KvDtype {
+    /// The storage for a model whose weights are `weights`: F32 for F32 weights (the reference
+    /// path), BF16 (the checkpoint's precision) otherwise.
+    pub fn for_weights(weights: DType) -> Self {
+        if weights == DType::F32 {
+            Self::F32
+        } else {
+            Self::Bf16
+        }
+    }
+
+    /// The Candle dtype of a stored value.
+    pub fn dtype(self) -> DType {
+        match self {
+            Self::F32 => DType::F32,
+            Self::Bf16 => DType::BF16,
+        }
+    }
+
     /// Bytes per stored value.
     pub fn size_in_bytes(self) -> usize {
         match self {

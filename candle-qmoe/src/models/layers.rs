@@ -190,6 +190,9 @@ pub struct Attention {
     num_kv_heads: usize,
     head_dim: usize,
     rotary: Arc<RotaryEmbedding>,
+    /// How the fused CPU path stores keys and values (`KvDtype::for_weights` of the loaded
+    /// weights, the rule the planner counts with).
+    kv_dtype: KvDtype,
     kv_cache: KvStore,
 }
 
@@ -228,6 +231,7 @@ impl Attention {
             num_kv_heads: spec.num_kv_heads,
             head_dim: hd,
             rotary,
+            kv_dtype: KvDtype::for_weights(vb.dtype()),
             kv_cache: KvStore::Empty,
         })
     }
@@ -291,13 +295,8 @@ impl Attention {
         let k = rope(k, self.num_kv_heads)?;
         let v = v.flatten_all()?.to_vec1::<f32>()?;
         if matches!(self.kv_cache, KvStore::Empty) {
-            // Keys and values at the weights' precision: F32 for the F32 reference path, BF16
-            // (the checkpoint's) otherwise.
-            let dtype = match self.k_proj.weight_format() {
-                "f32" => KvDtype::F32,
-                _ => KvDtype::Bf16,
-            };
-            self.kv_cache = KvStore::Host(KvCache::new(b, self.num_kv_heads, d, dtype));
+            let cache = KvCache::new(b, self.num_kv_heads, d, self.kv_dtype);
+            self.kv_cache = KvStore::Host(cache);
         }
         let KvStore::Host(cache) = &mut self.kv_cache else {
             candle::bail!("attention: the KV cache was filled on another device or dtype");

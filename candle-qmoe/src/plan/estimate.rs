@@ -5,6 +5,7 @@ use candle::DType;
 
 use super::bytes::{ByteRange, MIB};
 use super::{moe_layers, plan_err, Component, ComponentBytes, Plan};
+use crate::kernels::attention::KvDtype;
 use crate::models::{FfnSpec, ModelSpec, MoeSpec};
 use crate::pack::{ExpertLayout, GroupSize};
 use crate::residency::Resident;
@@ -65,11 +66,11 @@ impl Target {
         self == Self::Cpu && self.activation_dtype(weights) == DType::F32
     }
 
-    /// The dtype the KV cache stores: the fused CPU kernel keeps BF16 (the weights') unless the
-    /// weights are F32; Candle's tensor path keeps the activations' dtype.
+    /// The dtype the KV cache stores: the fused CPU kernel's `KvDtype::for_weights` (BF16
+    /// unless the weights are F32); Candle's tensor path keeps the activations' dtype.
     pub fn kv_dtype(self, weights: DType) -> DType {
-        if self.fused_attention(weights) && weights != DType::F32 {
-            DType::BF16
+        if self.fused_attention(weights) {
+            KvDtype::for_weights(weights).dtype()
         } else {
             self.activation_dtype(weights)
         }
