@@ -24,9 +24,11 @@ struct Case {
 }
 
 /// Edge shapes: K not a multiple of the group (1408 = 5.5 × 256), K < group, K = group + 1
-/// chunk, a single intermediate row; the last two have enough tokens for the `i8` activations
-/// (8 chunks per `i16` sum at g256).
-const EDGE_CASES: [Case; 7] = [
+/// chunk, a single intermediate row; two with enough tokens for the `i8` activations (8 chunks
+/// per `i16` sum at g256); and one-token rows long enough for the runs of 8 groups of the
+/// decode path, at every group size, followed by a few groups and a short last group
+/// (K = 1088 = 8.5 × 128 = 17 × 64, K = 600 = 18.75 × 32, K = 2304 = 9 × 256).
+const EDGE_CASES: [Case; 11] = [
     Case {
         hidden: 256,
         inter: 176,
@@ -82,6 +84,38 @@ const EDGE_CASES: [Case; 7] = [
         k: 1,
         tokens: 17,
         group: 32,
+    },
+    Case {
+        hidden: 1088,
+        inter: 72,
+        experts: 4,
+        k: 2,
+        tokens: 1,
+        group: 128,
+    },
+    Case {
+        hidden: 1088,
+        inter: 40,
+        experts: 3,
+        k: 2,
+        tokens: 1,
+        group: 64,
+    },
+    Case {
+        hidden: 64,
+        inter: 600,
+        experts: 3,
+        k: 2,
+        tokens: 2,
+        group: 32,
+    },
+    Case {
+        hidden: 2304,
+        inter: 40,
+        experts: 2,
+        k: 1,
+        tokens: 1,
+        group: 256,
     },
 ];
 
