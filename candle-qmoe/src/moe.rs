@@ -177,7 +177,8 @@ pub struct SparseMoe {
     top_k: usize,
     norm_topk_prob: bool,
     shared: Option<SharedExpert>,
-    prefetch: Option<PrefetchTarget>,
+    /// Boxed: rarely set, and it holds a whole router.
+    prefetch: Option<Box<PrefetchTarget>>,
     traffic: Arc<TrafficCounters>,
 }
 
@@ -237,10 +238,12 @@ impl SparseMoe {
     /// cannot prefetch; returns whether it was linked.
     pub fn prefetch_for(&mut self, next: &SparseMoe) -> bool {
         let linked = next.experts.supports_prefetch();
-        self.prefetch = linked.then(|| PrefetchTarget {
-            router: next.router.clone(),
-            top_k: next.top_k,
-            experts: next.experts.clone(),
+        self.prefetch = linked.then(|| {
+            Box::new(PrefetchTarget {
+                router: next.router.clone(),
+                top_k: next.top_k,
+                experts: next.experts.clone(),
+            })
         });
         linked
     }

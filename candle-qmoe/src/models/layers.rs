@@ -231,7 +231,7 @@ pub(crate) struct SeqSpan<'a> {
 }
 
 /// Multi-head attention with GQA, optional q/k/v bias, q/k norm (over the projection or per
-/// head) and `clip_qkv`, over KV caches held outside the layer ([`KvStore`]).
+/// head) and `clip_qkv`, over KV caches held outside the layer (in a [`super::SequenceCache`]).
 #[derive(Clone, Debug)]
 pub struct Attention {
     q_proj: DenseLinear,
