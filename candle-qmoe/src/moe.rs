@@ -4,7 +4,8 @@
 //! [`RoutedExperts`] → plus an optional sigmoid-gated shared expert (Qwen2-MoE). This is the
 //! arithmetic of transformers' `OlmoeSparseMoeBlock` and `Qwen2MoeSparseMoeBlock`.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use candle::{DType, Module, Tensor, D};
 use candle_nn::VarBuilder;
@@ -56,6 +57,106 @@ impl Module for SharedExpert {
     }
 }
 
+/// Counters of the routed experts' work (cumulative; [`SparseMoe::traffic`] for one block,
+/// `MoeForCausalLm::expert_traffic` for all of a model's).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ExpertTraffic {
+    /// MoE block calls.
+    pub calls: u64,
+    /// Tokens routed (summed over calls).
+    pub tokens: u64,
+    /// Distinct experts computed, summed over calls.
+    pub experts_read: u64,
+    /// Their weight bytes: each distinct expert's weights ([`RoutedExperts::bytes_per_expert`])
+    /// once per call.
+    pub bytes_read: u64,
+}
+
+impl std::ops::Add for ExpertTraffic {
+    type Output = Self;
+    fn add(self, o: Self) -> Self {
+        Self {
+            calls: self.calls + o.calls,
+            tokens: self.tokens + o.tokens,
+            experts_read: self.experts_read + o.experts_read,
+            bytes_read: self.bytes_read + o.bytes_read,
+        }
+    }
+}
+
+impl std::iter::Sum for ExpertTraffic {
+    fn sum<I: Iterator<Item = Self>>(iter: I) -> Self {
+        iter.fold(Self::default(), |a, b| a + b)
+    }
+}
+
+/// A block's [`ExpertTraffic`] counters, shared by its clones.
+#[derive(Debug, Default)]
+struct TrafficCounters {
+    calls: AtomicU64,
+    tokens: AtomicU64,
+    experts: AtomicU64,
+    /// Off the CPU: the distinct experts counted on the device (a U32 scalar), added up there
+    /// so that counting never waits for the device; folded into `experts` when read.
+    on_device: Mutex<Option<Tensor>>,
+}
+
+impl TrafficCounters {
+    /// Counts one call routed as `expert_ids [N, k]` among `num_experts`.
+    fn record(&self, expert_ids: &Tensor, num_experts: usize) -> candle::Result<()> {
+        let tokens = expert_ids.dim(0)? as u64;
+        if expert_ids.device().is_cpu() {
+            let ids = expert_ids.flatten_all()?.to_vec1::<u32>()?;
+            let mut seen = vec![false; num_experts];
+            let distinct = ids
+                .iter()
+                .filter(|&&e| !std::mem::replace(&mut seen[e as usize % num_experts], true))
+                .count();
+            self.experts.fetch_add(distinct as u64, Ordering::Relaxed);
+        } else {
+            let distinct = distinct_experts(expert_ids, num_experts)?;
+            let mut acc = self.on_device.lock().unwrap_or_else(|e| e.into_inner());
+            *acc = Some(match acc.take() {
+                Some(sum) => (sum + distinct)?,
+                None => distinct,
+            });
+        }
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.tokens.fetch_add(tokens, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The totals, with `bytes_per_expert` bytes per expert read (waits for the device when
+    /// counts are pending there; a count the device cannot return stays pending).
+    fn read(&self, bytes_per_expert: usize) -> ExpertTraffic {
+        let mut acc = self.on_device.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(Ok(n)) = acc.as_ref().map(Tensor::to_scalar::<u32>) {
+            self.experts.fetch_add(u64::from(n), Ordering::Relaxed);
+            *acc = None;
+        }
+        let experts_read = self.experts.load(Ordering::Relaxed);
+        ExpertTraffic {
+            calls: self.calls.load(Ordering::Relaxed),
+            tokens: self.tokens.load(Ordering::Relaxed),
+            experts_read,
+            bytes_read: experts_read * bytes_per_expert as u64,
+        }
+    }
+}
+
+/// How many distinct experts `expert_ids [N, k]` (U32, ids below `num_experts`) name, as a U32
+/// scalar computed on the ids' device (no host synchronisation).
+pub fn distinct_experts(expert_ids: &Tensor, num_experts: usize) -> candle::Result<Tensor> {
+    let ids = expert_ids.flatten_all()?;
+    let device = ids.device();
+    let ones = Tensor::ones(ids.elem_count(), DType::F32, device)?;
+    Tensor::zeros(num_experts, DType::F32, device)?
+        .index_add(&ids, &ones, 0)?
+        .gt(0.0)?
+        .to_dtype(DType::U32)?
+        .sum_all()
+}
+
 /// The next MoE layer's router and experts, for prefetching its likely experts.
 #[derive(Clone)]
 struct PrefetchTarget {
@@ -76,7 +177,9 @@ pub struct SparseMoe {
     top_k: usize,
     norm_topk_prob: bool,
     shared: Option<SharedExpert>,
-    prefetch: Option<PrefetchTarget>,
+    /// Boxed: rarely set, and it holds a whole router.
+    prefetch: Option<Box<PrefetchTarget>>,
+    traffic: Arc<TrafficCounters>,
 }
 
 impl std::fmt::Debug for SparseMoe {
@@ -125,6 +228,7 @@ impl SparseMoe {
             norm_topk_prob,
             shared,
             prefetch: None,
+            traffic: Arc::default(),
         })
     }
 
@@ -134,10 +238,12 @@ impl SparseMoe {
     /// cannot prefetch; returns whether it was linked.
     pub fn prefetch_for(&mut self, next: &SparseMoe) -> bool {
         let linked = next.experts.supports_prefetch();
-        self.prefetch = linked.then(|| PrefetchTarget {
-            router: next.router.clone(),
-            top_k: next.top_k,
-            experts: next.experts.clone(),
+        self.prefetch = linked.then(|| {
+            Box::new(PrefetchTarget {
+                router: next.router.clone(),
+                top_k: next.top_k,
+                experts: next.experts.clone(),
+            })
         });
         linked
     }
@@ -218,6 +324,12 @@ impl SparseMoe {
             + self.shared.as_ref().map_or(0, SharedExpert::weight_bytes)
     }
 
+    /// The routed experts' work since the block was built (shared with its clones): every
+    /// call of [`Self::forward_with_routing`] counts its tokens and distinct experts.
+    pub fn traffic(&self) -> ExpertTraffic {
+        self.traffic.read(self.experts.bytes_per_expert())
+    }
+
     /// The routed-experts backend.
     pub fn experts(&self) -> &Arc<dyn RoutedExperts> {
         &self.experts
@@ -252,6 +364,8 @@ impl SparseMoe {
             flat
         };
         let routing = self.route(&flat)?;
+        self.traffic
+            .record(&routing.expert_ids, self.experts.num_experts())?;
         self.prefetch_next(&flat)?;
         let mut out = self
             .experts

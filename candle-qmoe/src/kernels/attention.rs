@@ -244,6 +244,12 @@ impl KvCache {
         self.len += s;
     }
 
+    /// Drops the positions from `len` on (keeps the allocation): undoes appends, e.g. of a
+    /// step that failed in a later layer. Does nothing when `len` is not below [`Self::len`].
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
     /// The element range of sequence `b`, kv head `h`'s `[len, head_dim]` keys (and values).
     fn head_range(&self, b: usize, h: usize) -> std::ops::Range<usize> {
         let start = (b * self.kv_heads + h) * self.capacity * self.head_dim;

@@ -8,13 +8,87 @@ use candle_nn::{embedding, Embedding, VarBuilder};
 use super::config::{ModelConfig, ModelSpec};
 use super::experts::ExpertsLoader;
 use super::layers::{
-    causal_mask, fused_attention, DecoderLayer, FeedForward, RmsNorm, RotaryEmbedding,
+    causal_mask, fused_attention, DecoderLayer, FeedForward, KvStore, RmsNorm, RotaryEmbedding,
+    SeqSpan,
 };
 use crate::linear::{activation_dtype, DenseLinear};
+use crate::moe::ExpertTraffic;
 use crate::{QmoeError, SparseMoe};
+
+/// The KV caches of one sequence, for every layer of a model (made by
+/// [`MoeForCausalLm::new_sequence`]; see [`MoeForCausalLm::forward_sequences`]).
+#[derive(Clone, Debug)]
+pub struct SequenceCache {
+    layers: Vec<KvStore>,
+    len: usize,
+    shape: KvShape,
+}
+
+/// What a cache must match to be used with a model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct KvShape {
+    layers: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl SequenceCache {
+    fn new(shape: KvShape) -> Self {
+        Self {
+            layers: vec![KvStore::Empty; shape.layers],
+            len: 0,
+            shape,
+        }
+    }
+
+    /// Tokens cached: the position of the sequence's next token.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no token is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes the keys and values of all layers hold allocated.
+    pub fn allocated_bytes(&self) -> usize {
+        self.layers.iter().map(KvStore::allocated_bytes).sum()
+    }
+
+    /// Drops every layer's positions from `self.len` on: undoes a failed step's appends. (If a
+    /// layer could not be cut, which cannot happen, the sequence starts over.)
+    fn roll_back(&mut self) {
+        let len = self.len;
+        if self.layers.iter_mut().any(|kv| kv.truncate(len).is_err()) {
+            *self = Self::new(self.shape);
+        }
+    }
+}
+
+/// One sequence's part of a step: its cache and the tokens to append (1 to decode, a chunk of
+/// the prompt to prefill).
+#[derive(Debug)]
+pub struct SequenceInput<'a> {
+    /// The sequence's KV caches (from [`MoeForCausalLm::new_sequence`] of the same model).
+    pub cache: &'a mut SequenceCache,
+    /// The tokens to append, at positions `cache.len()..`.
+    pub tokens: &'a [u32],
+}
+
+/// A sequence's part of a step as the trunk runs it: tokens `start..start + len` of the step.
+struct Part<'a> {
+    cache: &'a mut SequenceCache,
+    start: usize,
+    len: usize,
+}
 
 /// A decoder-only MoE causal LM (the layout of OLMoE, Qwen2-MoE, Qwen3-MoE and Mixtral) with a
 /// KV cache.
+///
+/// [`Self::forward`] and its siblings run one sequence (or a batch of equal-length rows) over the
+/// model's own cache; [`Self::forward_sequences`] runs several sequences, each with its own
+/// [`SequenceCache`], in one pass. Both go through the same step.
 ///
 /// Weights use the Hugging Face names (`model.embed_tokens`, `model.layers.{i}.*`, `model.norm`,
 /// `lm_head`, absent when `tie_word_embeddings` makes it `embed_tokens`) and are kept in the VarBuilder's dtype; activations are in [`activation_dtype`] of
@@ -27,7 +101,7 @@ pub struct MoeForCausalLm {
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     lm_head: DenseLinear,
-    cached: usize,
+    cache: SequenceCache,
     dtype: DType,
     activations: DType,
     device: Device,
@@ -68,13 +142,18 @@ impl MoeForCausalLm {
         } else {
             DenseLinear::load_no_bias(spec.hidden_size, spec.vocab_size, vb.pp("lm_head"))?
         };
+        let cache = SequenceCache::new(KvShape {
+            layers: layers.len(),
+            kv_heads: spec.num_kv_heads,
+            head_dim: spec.head_dim,
+        });
         Ok(Self {
             spec,
             embed_tokens,
             layers,
             norm,
             lm_head,
-            cached: 0,
+            cache,
             dtype,
             activations,
             device,
@@ -131,54 +210,183 @@ impl MoeForCausalLm {
                 format!("it is empty (shape {:?})", input_ids.dims()),
             ));
         }
-        if seqlen_offset != self.cached {
+        if seqlen_offset != self.cache.len {
             return Err(invalid(
                 "seqlen_offset",
                 format!(
                     "{seqlen_offset} but the KV cache holds {} tokens; call clear_kv_cache() \
                      before starting a new sequence",
-                    self.cached
+                    self.cache.len
                 ),
             ));
-        }
-        let context = self.spec.max_position_embeddings;
-        if seqlen_offset + s > context {
-            return Err(QmoeError::ContextExceeded {
-                cached: seqlen_offset,
-                new: s,
-                context,
-            }
-            .into());
         }
         let ids = input_ids
             .to_dtype(DType::I64)?
             .flatten_all()?
             .to_vec1::<i64>()?;
-        let vocab_size = self.spec.vocab_size;
-        if let Some(&token) = ids.iter().find(|&&t| t < 0 || t as usize >= vocab_size) {
-            return Err(QmoeError::TokenOutOfVocab { token, vocab_size }.into());
-        }
+        self.check_tokens(seqlen_offset, s, ids)?;
         Ok((b, s))
     }
 
-    /// Runs every decoder layer; collects the MoE layers' router logits as `[B, S, E]` F32.
-    fn run_layers(
+    /// `new` more tokens `ids` after `cached` ones: within the context and the vocabulary.
+    fn check_tokens(
+        &self,
+        cached: usize,
+        new: usize,
+        ids: impl IntoIterator<Item = i64>,
+    ) -> candle::Result<()> {
+        let context = self.spec.max_position_embeddings;
+        if cached + new > context {
+            return Err(QmoeError::ContextExceeded {
+                cached,
+                new,
+                context,
+            }
+            .into());
+        }
+        let vocab_size = self.spec.vocab_size;
+        if let Some(token) = ids.into_iter().find(|&t| t < 0 || t as usize >= vocab_size) {
+            return Err(QmoeError::TokenOutOfVocab { token, vocab_size }.into());
+        }
+        Ok(())
+    }
+
+    /// An empty [`SequenceCache`] for this model, for [`Self::forward_sequences`].
+    pub fn new_sequence(&self) -> SequenceCache {
+        SequenceCache::new(self.cache.shape)
+    }
+
+    /// One forward over several sequences at once: all tokens of the step go through the
+    /// embeddings, every projection, router and MoE block together as one `[1, N, H]` tensor
+    /// (each MoE block routes once, so each distinct expert's weights are read once per step),
+    /// while rotary embedding and attention run per sequence over its own cache. Items may mix
+    /// decode (1 token) and prefill chunks.
+    ///
+    /// Returns each item's last-position logits `[vocab]` (F32), in item order, and appends the
+    /// tokens to the items' caches. Errors — an empty batch or item, a cache of another model,
+    /// [`QmoeError::ContextExceeded`] for an item, [`QmoeError::TokenOutOfVocab`], or a failure
+    /// inside the pass — change no cache (a cache may keep a grown allocation).
+    pub fn forward_sequences(
         &mut self,
-        mut xs: Tensor,
-        offset: usize,
-        mask: Option<&Tensor>,
+        batch: &mut [SequenceInput<'_>],
+    ) -> candle::Result<Vec<Tensor>> {
+        let invalid = |argument: String, reason: String| -> candle::Error {
+            QmoeError::InvalidArgument { argument, reason }.into()
+        };
+        if batch.is_empty() {
+            return Err(invalid("batch".into(), "it holds no sequence".into()));
+        }
+        for (i, item) in batch.iter().enumerate() {
+            let (got, want) = (item.cache.shape, self.cache.shape);
+            if got != want {
+                return Err(invalid(
+                    format!("batch[{i}].cache"),
+                    format!(
+                        "it was made by a model with {} layers of {} kv heads × {}, this model \
+                         has {} layers of {} × {}; use this model's new_sequence()",
+                        got.layers,
+                        got.kv_heads,
+                        got.head_dim,
+                        want.layers,
+                        want.kv_heads,
+                        want.head_dim
+                    ),
+                ));
+            }
+            if item.tokens.is_empty() {
+                return Err(invalid(format!("batch[{i}].tokens"), "it is empty".into()));
+            }
+            let ids = item.tokens.iter().map(|&t| i64::from(t));
+            self.check_tokens(item.cache.len, item.tokens.len(), ids)?;
+        }
+        let tokens: Vec<u32> = batch.iter().flat_map(|it| it.tokens).copied().collect();
+        let n = tokens.len();
+        let ids = Tensor::from_vec(tokens, (1, n), &self.device)?;
+        let mut start = 0;
+        let mut parts: Vec<Part> = batch
+            .iter_mut()
+            .map(|item| {
+                let len = item.tokens.len();
+                start += len;
+                Part {
+                    cache: &mut *item.cache,
+                    start: start - len,
+                    len,
+                }
+            })
+            .collect();
+        let (xs, _) = self.step(&ids, &mut parts, false)?;
+        let last: Vec<u32> = parts.iter().map(|p| (p.start + p.len - 1) as u32).collect();
+        let last = Tensor::new(last.as_slice(), &self.device)?;
+        let logits = self.logits(&xs.index_select(&last, 1)?)?.squeeze(0)?;
+        (0..parts.len()).map(|i| logits.get(i)).collect()
+    }
+
+    /// One step over `ids [B, N]`, whose parts belong to the sequences of `parts`: embeddings,
+    /// every decoder layer (attention per part), the hidden states `[B, N, H]` before the final
+    /// norm and, when `want_router`, the MoE layers' router logits `[B, N, E]` (F32). On success
+    /// the parts' tokens are appended to their caches; on error every cache is rolled back.
+    fn step(
+        &self,
+        ids: &Tensor,
+        parts: &mut [Part],
         want_router: bool,
     ) -> candle::Result<(Tensor, Vec<Tensor>)> {
-        let (b, s, _) = xs.dims3()?;
-        let mut router_logits = Vec::new();
-        for layer in self.layers.iter_mut() {
-            let (next, router) = layer.forward(&xs, offset, mask)?;
-            xs = next;
-            if let (true, Some(r)) = (want_router, router) {
-                router_logits.push(r.to_dtype(DType::F32)?.reshape((b, s, ()))?);
+        // The fused CPU attention needs no mask: positions imply it.
+        let fused = fused_attention(&self.device, self.activations);
+        let masks = parts
+            .iter()
+            .map(|p| match fused {
+                true => Ok(None),
+                false => causal_mask(p.len, p.cache.len, &self.device),
+            })
+            .collect::<candle::Result<Vec<_>>>()?;
+        let run = |parts: &mut [Part]| -> candle::Result<(Tensor, Vec<Tensor>)> {
+            let ids = ids.to_dtype(DType::U32)?.to_device(&self.device)?;
+            let mut xs = self
+                .embed_tokens
+                .forward(&ids)?
+                .to_dtype(self.activations)?;
+            let (b, n, _) = xs.dims3()?;
+            let mut router_logits = Vec::new();
+            for (l, layer) in self.layers.iter().enumerate() {
+                let mut spans: Vec<SeqSpan> = parts
+                    .iter_mut()
+                    .zip(&masks)
+                    .map(|(p, mask)| {
+                        let cache = &mut *p.cache;
+                        SeqSpan {
+                            offset: cache.len,
+                            kv: &mut cache.layers[l],
+                            start: p.start,
+                            len: p.len,
+                            mask: mask.as_ref(),
+                        }
+                    })
+                    .collect();
+                let (next, router) = layer.forward(&xs, &mut spans)?;
+                xs = next;
+                if let (true, Some(r)) = (want_router, router) {
+                    router_logits.push(r.to_dtype(DType::F32)?.reshape((b, n, ()))?);
+                }
+            }
+            Ok((xs, router_logits))
+        };
+        let out = run(parts);
+        for p in parts.iter_mut() {
+            match out {
+                Ok(_) => p.cache.len += p.len,
+                Err(_) => p.cache.roll_back(),
             }
         }
-        Ok((xs, router_logits))
+        out
+    }
+
+    /// Final norm and `lm_head` of hidden states `[B, S, H]`: logits `[B, S, vocab]` (F32).
+    fn logits(&self, xs: &Tensor) -> candle::Result<Tensor> {
+        self.lm_head
+            .forward(&self.norm.forward(xs)?)?
+            .to_dtype(DType::F32)
     }
 
     fn run(
@@ -189,33 +397,21 @@ impl MoeForCausalLm {
         want_router: bool,
     ) -> candle::Result<Pass> {
         let (_, s) = self.check_input(input_ids, offset)?;
-        let ids = input_ids.to_dtype(DType::U32)?.to_device(&self.device)?;
-        // The fused CPU attention needs no mask: positions imply it.
-        let mask = match fused_attention(&self.device, self.activations) {
-            true => None,
-            false => causal_mask(s, offset, &self.device)?,
+        // The model's own cache runs through the same step as any sequence's.
+        let empty = self.new_sequence();
+        let mut cache = std::mem::replace(&mut self.cache, empty);
+        let part = Part {
+            cache: &mut cache,
+            start: 0,
+            len: s,
         };
-        let xs = self
-            .embed_tokens
-            .forward(&ids)?
-            .to_dtype(self.activations)?;
-        let (mut xs, router_logits) = match self.run_layers(xs, offset, mask.as_ref(), want_router)
-        {
-            Ok(r) => r,
-            Err(e) => {
-                // A failed pass may have filled some layers' caches only: start over cleanly.
-                self.clear_kv_cache();
-                return Err(e);
-            }
-        };
-        self.cached += s;
+        let out = self.step(input_ids, &mut [part], want_router);
+        self.cache = cache;
+        let (mut xs, router_logits) = out?;
         if last_only {
             xs = xs.narrow(1, s - 1, 1)?;
         }
-        let logits = self
-            .lm_head
-            .forward(&self.norm.forward(&xs)?)?
-            .to_dtype(DType::F32)?;
+        let logits = self.logits(&xs)?;
         let logits = if last_only {
             logits.squeeze(1)?
         } else {
@@ -229,15 +425,18 @@ impl MoeForCausalLm {
 
     /// Empties every layer's KV cache; the next call starts at `seqlen_offset = 0`.
     pub fn clear_kv_cache(&mut self) {
-        self.cached = 0;
-        for layer in self.layers.iter_mut() {
-            layer.clear_kv_cache();
-        }
+        self.cache = self.new_sequence();
     }
 
     /// Tokens held in the KV cache (the next call's `seqlen_offset`).
     pub fn cached_len(&self) -> usize {
-        self.cached
+        self.cache.len
+    }
+
+    /// Cumulative routed-expert traffic of all MoE blocks since the model was built (see
+    /// [`ExpertTraffic`]; a clone of the model shares its counters).
+    pub fn expert_traffic(&self) -> ExpertTraffic {
+        self.moe_blocks().map(|(_, m)| m.traffic()).sum()
     }
 
     /// The architecture the model was built from.
@@ -289,10 +488,7 @@ impl MoeForCausalLm {
 
     /// Bytes the KV caches of all layers hold allocated.
     pub fn kv_cache_bytes(&self) -> usize {
-        self.layers
-            .iter()
-            .map(|l| l.attention().kv_cache_bytes())
-            .sum()
+        self.cache.allocated_bytes()
     }
 
     /// The device the weights live on.

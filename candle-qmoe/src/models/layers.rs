@@ -162,10 +162,12 @@ pub fn repeat_kv(xs: Tensor, n_rep: usize) -> candle::Result<Tensor> {
         .reshape((b, kv * n_rep, s, d))
 }
 
-/// The keys and values an attention layer has seen.
-#[derive(Clone, Debug)]
-enum KvStore {
+/// The keys and values one attention layer holds for one sequence (or for a batch of rows of
+/// equal length): a layer's part of a [`super::SequenceCache`].
+#[derive(Clone, Debug, Default)]
+pub(crate) enum KvStore {
     /// Nothing cached yet.
+    #[default]
     Empty,
     /// `[B, kv_heads, S, head_dim]` tensors, concatenated per call (GPU, non-F32 activations).
     Tensors(Tensor, Tensor),
@@ -173,8 +175,63 @@ enum KvStore {
     Host(KvCache),
 }
 
+impl KvStore {
+    /// Positions held.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Self::Empty => 0,
+            Self::Tensors(k, _) => k.dim(2).unwrap_or(0),
+            Self::Host(c) => c.len(),
+        }
+    }
+
+    /// Bytes held allocated (keys and values).
+    pub(crate) fn allocated_bytes(&self) -> usize {
+        match self {
+            Self::Empty => 0,
+            Self::Tensors(k, v) => (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes(),
+            Self::Host(c) => c.allocated_bytes(),
+        }
+    }
+
+    /// Keeps the first `len` positions (undoes the appends of a failed step); empty when `len`
+    /// is 0, unchanged when it holds no more than `len`.
+    pub(crate) fn truncate(&mut self, len: usize) -> candle::Result<()> {
+        if len >= self.len() {
+            return Ok(());
+        }
+        if len == 0 {
+            *self = Self::Empty;
+            return Ok(());
+        }
+        match self {
+            Self::Empty => {}
+            Self::Tensors(k, v) => {
+                *self = Self::Tensors(k.narrow(2, 0, len)?, v.narrow(2, 0, len)?)
+            }
+            Self::Host(c) => c.truncate(len),
+        }
+        Ok(())
+    }
+}
+
+/// One sequence's part of a step: positions `start..start + len` along dim 1 of the step's
+/// activations `[B, N, ·]`, at positions `offset..` of the sequence, attending over `kv`.
+pub(crate) struct SeqSpan<'a> {
+    /// The sequence's keys and values in this layer (`offset` positions before the step).
+    pub(crate) kv: &'a mut KvStore,
+    /// First position of the part in the step.
+    pub(crate) start: usize,
+    /// Tokens of the part.
+    pub(crate) len: usize,
+    /// The sequence's position of the part's first token.
+    pub(crate) offset: usize,
+    /// The causal mask of the tensor path ([`causal_mask`] of `len`, `offset`).
+    pub(crate) mask: Option<&'a Tensor>,
+}
+
 /// Multi-head attention with GQA, optional q/k/v bias, q/k norm (over the projection or per
-/// head), `clip_qkv`, and a KV cache.
+/// head) and `clip_qkv`, over KV caches held outside the layer (in a [`super::SequenceCache`]).
 #[derive(Clone, Debug)]
 pub struct Attention {
     q_proj: DenseLinear,
@@ -193,7 +250,6 @@ pub struct Attention {
     /// How the fused CPU path stores keys and values (`KvDtype::for_weights` of the loaded
     /// weights, the rule the planner counts with).
     kv_dtype: KvDtype,
-    kv_cache: KvStore,
 }
 
 impl Attention {
@@ -232,18 +288,13 @@ impl Attention {
             head_dim: hd,
             rotary,
             kv_dtype: KvDtype::for_weights(vb.dtype()),
-            kv_cache: KvStore::Empty,
         })
     }
 
-    /// Attends `xs [B, S, H]` (first token at position `offset`) to the cache plus itself, then
-    /// appends its keys and values to the cache.
-    pub fn forward(
-        &mut self,
-        xs: &Tensor,
-        offset: usize,
-        mask: Option<&Tensor>,
-    ) -> candle::Result<Tensor> {
+    /// Attends each span of `xs [B, N, H]` to its sequence's cache plus itself, appending its
+    /// keys and values to that cache. The projections run once over all `N` tokens; rotary
+    /// embedding and attention per span.
+    pub(crate) fn forward(&self, xs: &Tensor, spans: &mut [SeqSpan]) -> candle::Result<Tensor> {
         let mut q = self.q_proj.forward(xs)?;
         let mut k = self.k_proj.forward(xs)?;
         let mut v = self.v_proj.forward(xs)?;
@@ -256,11 +307,23 @@ impl Attention {
             k = k.clamp(-c, c)?;
             v = v.clamp(-c, c)?;
         }
-        if fused_attention(xs.device(), q.dtype()) {
-            self.attend_host(q, k, v, offset)
-        } else {
-            self.attend_tensors(q, k, v, offset, mask)
-        }
+        let fused = fused_attention(xs.device(), q.dtype());
+        let mut parts = spans
+            .iter_mut()
+            .map(|span| {
+                let part = |t: &Tensor| t.narrow(1, span.start, span.len);
+                let (q, k, v) = (part(&q)?, part(&k)?, part(&v)?);
+                match fused {
+                    true => self.attend_host(q, k, v, span.offset, span.kv),
+                    false => self.attend_tensors(q, k, v, span),
+                }
+            })
+            .collect::<candle::Result<Vec<_>>>()?;
+        let out = match parts.len() {
+            1 => parts.swap_remove(0),
+            _ => Tensor::cat(&parts, 1)?,
+        };
+        self.o_proj.forward(&out)
     }
 
     /// `norm` applied to `xs [B, S, heads · D]`: over each head's `D` values, or over all of
@@ -274,13 +337,15 @@ impl Attention {
             .reshape((b, s, n))
     }
 
-    /// The fused CPU kernel over the in-place cache; `q`, `k`, `v` are `[B, S, heads · D]`.
+    /// The fused CPU kernel over the in-place cache `kv`; `q`, `k`, `v` are `[B, S, heads · D]`
+    /// with the first token at `offset`; returns `[B, S, heads · D]` (before `o_proj`).
     fn attend_host(
-        &mut self,
+        &self,
         q: Tensor,
         k: Tensor,
         v: Tensor,
         offset: usize,
+        kv: &mut KvStore,
     ) -> candle::Result<Tensor> {
         let (b, s, _) = q.dims3()?;
         let d = self.head_dim;
@@ -294,11 +359,10 @@ impl Attention {
         let q = rope(q, self.num_heads)?;
         let k = rope(k, self.num_kv_heads)?;
         let v = v.flatten_all()?.to_vec1::<f32>()?;
-        if matches!(self.kv_cache, KvStore::Empty) {
-            let cache = KvCache::new(b, self.num_kv_heads, d, self.kv_dtype);
-            self.kv_cache = KvStore::Host(cache);
+        if matches!(kv, KvStore::Empty) {
+            *kv = KvStore::Host(KvCache::new(b, self.num_kv_heads, d, self.kv_dtype));
         }
-        let KvStore::Host(cache) = &mut self.kv_cache else {
+        let KvStore::Host(cache) = kv else {
             candle::bail!("attention: the KV cache was filled on another device or dtype");
         };
         if cache.batch() != b {
@@ -310,19 +374,19 @@ impl Attention {
         cache.append(&k, &v, s);
         let scale = 1.0 / (d as f32).sqrt();
         let out = attend(&q, cache, s, self.num_heads, scale);
-        let out = Tensor::from_vec(out, (b, s, self.num_heads * d), &Device::Cpu)?;
-        self.o_proj.forward(&out)
+        Tensor::from_vec(out, (b, s, self.num_heads * d), &Device::Cpu)
     }
 
-    /// Candle tensor code: concatenated cache, repeated kv heads, masked softmax.
+    /// Candle tensor code for one span: concatenated cache, repeated kv heads, masked softmax;
+    /// returns `[B, S, heads · D]` (before `o_proj`).
     fn attend_tensors(
-        &mut self,
+        &self,
         q: Tensor,
         k: Tensor,
         v: Tensor,
-        offset: usize,
-        mask: Option<&Tensor>,
+        span: &mut SeqSpan,
     ) -> candle::Result<Tensor> {
+        let offset = span.offset;
         let (b, s, _) = q.dims3()?;
         let heads = |t: Tensor, n: usize| {
             t.reshape((b, s, n, self.head_dim))?
@@ -332,44 +396,28 @@ impl Attention {
         let q = self.rotary.apply(&heads(q, self.num_heads)?, offset)?;
         let k = self.rotary.apply(&heads(k, self.num_kv_heads)?, offset)?;
         let v = heads(v, self.num_kv_heads)?;
-        let (k, v) = match std::mem::replace(&mut self.kv_cache, KvStore::Empty) {
-            KvStore::Tensors(pk, pv) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
+        let (k, v) = match &*span.kv {
+            KvStore::Tensors(pk, pv) => (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?),
             KvStore::Empty => (k, v),
             KvStore::Host(_) => {
                 candle::bail!("attention: the KV cache was filled on another device or dtype")
             }
         };
-        self.kv_cache = KvStore::Tensors(k.clone(), v.clone());
+        *span.kv = KvStore::Tensors(k.clone(), v.clone());
         let n_rep = self.num_heads / self.num_kv_heads;
         let k = repeat_kv(k, n_rep)?;
         let v = repeat_kv(v, n_rep)?;
         let dtype = q.dtype();
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
-        let scores = match mask {
+        let scores = match span.mask {
             Some(m) => scores.broadcast_add(m)?,
             None => scores,
         };
         let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(dtype)?;
         let out = probs.matmul(&v.contiguous()?)?;
-        let out = out
-            .transpose(1, 2)?
-            .reshape((b, s, self.num_heads * self.head_dim))?;
-        self.o_proj.forward(&out)
-    }
-
-    /// Empties the KV cache.
-    pub fn clear_kv_cache(&mut self) {
-        self.kv_cache = KvStore::Empty;
-    }
-
-    /// Tokens held in the KV cache.
-    pub fn cached_len(&self) -> usize {
-        match &self.kv_cache {
-            KvStore::Empty => 0,
-            KvStore::Tensors(k, _) => k.dim(2).unwrap_or(0),
-            KvStore::Host(c) => c.len(),
-        }
+        out.transpose(1, 2)?
+            .reshape((b, s, self.num_heads * self.head_dim))
     }
 
     /// Puts q/k/v/o in INT8 ([`DenseLinear::to_int8`]).
@@ -395,15 +443,6 @@ impl Attention {
                 .iter()
                 .filter_map(|n| n.as_ref().map(RmsNorm::weight_bytes))
                 .sum::<usize>()
-    }
-
-    /// Bytes the KV cache holds allocated (keys and values).
-    pub fn kv_cache_bytes(&self) -> usize {
-        match &self.kv_cache {
-            KvStore::Empty => 0,
-            KvStore::Tensors(k, v) => (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes(),
-            KvStore::Host(c) => c.allocated_bytes(),
-        }
     }
 }
 
@@ -507,17 +546,16 @@ impl DecoderLayer {
         })
     }
 
-    /// Runs the layer on `xs [B, S, H]`; returns the new hidden states and the router logits of
-    /// a MoE layer.
-    pub fn forward(
-        &mut self,
+    /// Runs the layer on a step's `xs [B, N, H]` (attention per span, the rest over all `N`
+    /// tokens at once); returns the new hidden states and the router logits of a MoE layer.
+    pub(crate) fn forward(
+        &self,
         xs: &Tensor,
-        offset: usize,
-        mask: Option<&Tensor>,
+        spans: &mut [SeqSpan],
     ) -> candle::Result<(Tensor, Option<Tensor>)> {
         let attn = self
             .self_attn
-            .forward(&self.input_layernorm.forward(xs)?, offset, mask)?;
+            .forward(&self.input_layernorm.forward(xs)?, spans)?;
         let xs = (xs + attn)?;
         let (ffn, router_logits) = self
             .mlp
@@ -557,10 +595,5 @@ impl DecoderLayer {
     /// The attention block.
     pub fn attention(&self) -> &Attention {
         &self.self_attn
-    }
-
-    /// Empties the layer's KV cache.
-    pub fn clear_kv_cache(&mut self) {
-        self.self_attn.clear_kv_cache()
     }
 }

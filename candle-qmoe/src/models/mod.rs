@@ -36,7 +36,8 @@ pub mod qwen3_moe;
 
 use std::path::Path;
 
-pub use causal_lm::MoeForCausalLm;
+pub use crate::moe::ExpertTraffic;
+pub use causal_lm::{MoeForCausalLm, SequenceCache, SequenceInput};
 pub use checkpoint::{checkpoint_files, fingerprint, mmap_checkpoint, CheckpointTensors};
 pub use config::{
     AttentionSpec, CommonConfig, FfnSpec, ModelConfig, ModelSpec, MoeNames, MoeSpec, QkNorm,
