@@ -25,9 +25,8 @@ struct Case {
 
 /// Edge shapes: K not a multiple of the group (1408 = 5.5 × 256), K < group, K = group + 1
 /// chunk, a single intermediate row; two with enough tokens for the `i8` activations (8 chunks
-/// per `i16` sum at g256); and one-token rows long enough for the runs of 8 groups of the
-/// decode path, at every group size, followed by a few groups and a short last group
-/// (K = 1088 = 8.5 × 128 = 17 × 64, K = 600 = 18.75 × 32, K = 2304 = 9 × 256).
+/// per `i16` sum at g256); and long rows of few tokens at every group size, ending in a short
+/// group (K = 1088 = 8.5 × 128 = 17 × 64, K = 600 = 18.75 × 32, K = 2304 = 9 × 256).
 const EDGE_CASES: [Case; 11] = [
     Case {
         hidden: 256,
@@ -247,6 +246,21 @@ fn run(case: &Case, seed: u64, backend: Backend) {
                 got, single,
                 "{isa:?} {shape}: differs between thread counts"
             );
+            // Batch-invariant below W4A8_MIN_TOKENS: a token's output does not depend on
+            // which other tokens share the call (a server batching requests returns the bits
+            // each would get alone).
+            if case.tokens < W4A8_MIN_TOKENS {
+                let h = case.hidden;
+                for t in 0..case.tokens {
+                    let one = |x: &Tensor| x.narrow(0, t, 1).unwrap();
+                    let alone = to_vec(int4.forward(&one(&xs), &one(&ids), &one(&w)).unwrap());
+                    assert_eq!(
+                        alone,
+                        got[t * h..(t + 1) * h],
+                        "{isa:?} {shape}: token {t} alone differs from its row in the batch"
+                    );
+                }
+            }
         }
     }
 }

@@ -305,188 +305,66 @@ mod x86 {
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn decode_avx2(w: *const u8, c: usize) -> (__m256i, __m256i) {
-        // Widen the bytes first (one `vpmovzxbw` from memory): each 16-bit lane then holds
-        // `lo + 16 · hi`, split with one AND and one shift.
+        let mask = _mm_set1_epi8(0x0f);
         let b = _mm_loadu_si128(w.add(c * CHUNK_BYTES) as *const __m128i);
-        let v = _mm256_cvtepu8_epi16(b);
         (
-            _mm256_and_si256(v, _mm256_set1_epi16(0x0f)),
-            _mm256_srli_epi16(v, 4),
+            _mm256_cvtepu8_epi16(_mm_and_si128(b, mask)),
+            _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask)),
         )
     }
 
-    /// One row times a block of `i16` activation rows, for groups of `CPG` chunks: a full
-    /// group's chunks are unrolled, with two accumulator chains per token (low and high nibbles)
-    /// and one prefetch per 64-byte line.
+    /// `vpmaddwd` of a decoded chunk with activation chunk `c` of `x`, summed to 8 × i32.
     ///
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; the slices must cover `shape` (checked) and
-    /// `shape.chunks_per_group` must be `CPG`.
+    /// Chunk `c` must lie inside the activation row `x` points to.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn madd_avx2(w: (__m256i, __m256i), x: *const i16, c: usize) -> __m256i {
+        let x = x.add(c * CHUNK_WEIGHTS);
+        let lo = _mm256_madd_epi16(w.0, _mm256_loadu_si256(x as *const __m256i));
+        let hi = _mm256_madd_epi16(w.1, _mm256_loadu_si256(x.add(16) as *const __m256i));
+        _mm256_add_epi32(lo, hi)
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; the slices must cover `shape` (checked).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn row_avx2<const TB: usize, const CPG: usize>(
+    unsafe fn row_avx2<const TB: usize>(
         shape: DotShape,
         w: &[u8],
         s: &[u8],
         acts: &ActBlock<i16>,
     ) -> [f32; TB] {
         shape.check::<i16, TB>(w, s, acts);
-        debug_assert_eq!(shape.chunks_per_group, CPG);
         let (wp, x) = (w.as_ptr(), acts.q.as_ptr());
-        let (scales, corrs) = (acts.scale.as_ptr(), acts.corr.as_ptr());
         let mut facc = [_mm256_setzero_ps(); TB];
-        // One token: whole runs of 8 groups first, each scaled with one vector operation.
-        let first = if TB == 1 {
-            let (acc, next) = eight_groups_avx2::<CPG>(shape, wp, s, acts);
-            facc[0] = acc;
-            next
-        } else {
-            0
-        };
-        for gi in first..shape.groups {
-            let c0 = gi * CPG;
-            let c1 = (c0 + CPG).min(shape.chunks);
-            // SAFETY: `shape.check` proved `scale` and `corr` hold 8 lanes per group.
-            let mut lo: [__m256i; TB] = std::array::from_fn(|t| {
-                _mm256_setr_epi32(*corrs.add(gi * MAX_TOKEN_BLOCK + t), 0, 0, 0, 0, 0, 0, 0)
-            });
-            let mut hi = [_mm256_setzero_si256(); TB];
-            macro_rules! chunk {
-                ($c:expr) => {{
-                    let c = $c;
-                    if c.is_multiple_of(4) {
-                        // Rows of a block are contiguous: fetch ahead across row ends (never
-                        // faults).
-                        _mm_prefetch::<_MM_HINT_T0>(
-                            wp.wrapping_add(c * CHUNK_BYTES + PREFETCH_BYTES) as *const i8,
-                        );
-                    }
-                    // SAFETY: `shape.check` proved chunk `c` lies inside `w` and every `q`.
-                    let wq = decode_avx2(wp, c);
-                    for t in 0..TB {
-                        let xc = x.add((c * TB + t) * CHUNK_WEIGHTS);
-                        let xl = _mm256_loadu_si256(xc as *const __m256i);
-                        let xh = _mm256_loadu_si256(xc.add(16) as *const __m256i);
-                        lo[t] = _mm256_add_epi32(lo[t], _mm256_madd_epi16(wq.0, xl));
-                        hi[t] = _mm256_add_epi32(hi[t], _mm256_madd_epi16(wq.1, xh));
-                    }
-                }};
-            }
-            if c1 - c0 == CPG {
-                // A full group: `CPG` is a constant, so this loop unrolls.
-                for j in 0..CPG {
-                    chunk!(c0 + j);
+        for gi in 0..shape.groups {
+            let c0 = gi * shape.chunks_per_group;
+            let c1 = (c0 + shape.chunks_per_group).min(shape.chunks);
+            let corr = &acts.corr[gi * MAX_TOKEN_BLOCK..];
+            let mut acc: [__m256i; TB] =
+                std::array::from_fn(|t| _mm256_setr_epi32(corr[t], 0, 0, 0, 0, 0, 0, 0));
+            for c in c0..c1 {
+                if c % 4 == 0 {
+                    // Rows of a block are contiguous: fetch ahead across row ends (never faults).
+                    _mm_prefetch::<_MM_HINT_T0>(
+                        wp.wrapping_add(c * CHUNK_BYTES + PREFETCH_BYTES) as *const i8
+                    );
                 }
-            } else {
-                for c in c0..c1 {
-                    chunk!(c);
+                // SAFETY: `shape.check` proved chunk `c` lies inside `w` and every `q`.
+                let wq = decode_avx2(wp, c);
+                for (t, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_add_epi32(*a, madd_avx2(wq, x, c * TB + t));
                 }
             }
-            let sw = _mm256_set1_ps(scale_f16c(s, gi));
+            let sw = scale_f16c(s, gi);
             for t in 0..TB {
-                let f = _mm256_mul_ps(sw, _mm256_set1_ps(*scales.add(gi * MAX_TOKEN_BLOCK + t)));
-                let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(lo[t], hi[t]));
-                facc[t] = _mm256_fmadd_ps(sum, f, facc[t]);
+                let f = _mm256_set1_ps(sw * acts.scale[gi * MAX_TOKEN_BLOCK + t]);
+                facc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t]), f, facc[t]);
             }
         }
         std::array::from_fn(|t| hsum256(facc[t]))
-    }
-
-    /// The groups of one row and one token (`TB = 1`) in runs of 8 full groups: each group's
-    /// integer sum in its own register, the 8 totals gathered into one vector (lane `j` =
-    /// group `j` of the run) and scaled by the 8 weight scales (one F16C conversion) times the
-    /// 8 activation scales with one multiply-add, where the per-group path spends a conversion,
-    /// two scale loads and a multiply-add on every group. Returns the F32 partial sums and the
-    /// first group not covered.
-    ///
-    /// # Safety
-    /// As [`row_avx2`], whose `shape.check` this relies on (called there first).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn eight_groups_avx2<const CPG: usize>(
-        shape: DotShape,
-        wp: *const u8,
-        s: &[u8],
-        acts: &ActBlock<i16>,
-    ) -> (__m256, usize) {
-        let x = acts.q.as_ptr();
-        let (scales, corrs) = (acts.scale.as_ptr(), acts.corr.as_ptr());
-        // Runs whose 8 groups all hold `CPG` chunks (only the row's last group can be short).
-        let runs = (shape.chunks / CPG).min(shape.groups) / 8;
-        let mut facc = _mm256_setzero_ps();
-        for run in 0..runs {
-            let g0 = run * 8;
-            let mut acc = [_mm256_setzero_si256(); 8];
-            for (j, a) in acc.iter_mut().enumerate() {
-                let g = g0 + j;
-                *a = _mm256_setr_epi32(*corrs.add(g * MAX_TOKEN_BLOCK), 0, 0, 0, 0, 0, 0, 0);
-                for k in 0..CPG {
-                    let c = g * CPG + k;
-                    if c.is_multiple_of(4) {
-                        // Rows of a block are contiguous: fetch ahead across row ends.
-                        _mm_prefetch::<_MM_HINT_T0>(
-                            wp.wrapping_add(c * CHUNK_BYTES + PREFETCH_BYTES) as *const i8,
-                        );
-                    }
-                    let wq = decode_avx2(wp, c);
-                    let xc = x.add(c * CHUNK_WEIGHTS);
-                    let xl = _mm256_loadu_si256(xc as *const __m256i);
-                    let xh = _mm256_loadu_si256(xc.add(16) as *const __m256i);
-                    let both =
-                        _mm256_add_epi32(_mm256_madd_epi16(wq.0, xl), _mm256_madd_epi16(wq.1, xh));
-                    *a = _mm256_add_epi32(*a, both);
-                }
-            }
-            let totals = _mm256_cvtepi32_ps(hsum_lanes(acc));
-            let wscale = _mm256_cvtph_ps(_mm_loadu_si128(s.as_ptr().add(2 * g0) as *const __m128i));
-            let xscale = _mm256_i32gather_ps::<4>(
-                scales.add(g0 * MAX_TOKEN_BLOCK),
-                _mm256_mullo_epi32(
-                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                    _mm256_set1_epi32(MAX_TOKEN_BLOCK as i32),
-                ),
-            );
-            facc = _mm256_fmadd_ps(totals, _mm256_mul_ps(wscale, xscale), facc);
-        }
-        (facc, runs * 8)
-    }
-
-    /// [`ActInt::block`] for `i16` activations on AVX2: [`row_avx2`] specialised for the
-    /// group's chunk count.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn block_avx2<const TB: usize>(
-        shape: DotShape,
-        m: &PackedMatrix,
-        rows: Range<usize>,
-        acts: &ActBlock<i16>,
-        out: &mut [f32],
-    ) {
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn rows_with<const TB: usize, const CPG: usize>(
-            shape: DotShape,
-            m: &PackedMatrix,
-            rows: Range<usize>,
-            acts: &ActBlock<i16>,
-            out: &mut [f32],
-        ) {
-            for (n, o) in rows.zip(out.chunks_exact_mut(TB)) {
-                let (w, s) = m.row(n);
-                // SAFETY: the caller guarantees the CPU features and `CPG`; the row function
-                // checks the slices against `shape`.
-                o.copy_from_slice(&unsafe { row_avx2::<TB, CPG>(shape, w, s, acts) });
-            }
-        }
-        // SAFETY (every arm): as this function's, with `CPG` the group's chunk count.
-        match shape.chunks_per_group {
-            1 => rows_with::<TB, 1>(shape, m, rows, acts, out),
-            2 => rows_with::<TB, 2>(shape, m, rows, acts, out),
-            4 => rows_with::<TB, 4>(shape, m, rows, acts, out),
-            8 => rows_with::<TB, 8>(shape, m, rows, acts, out),
-            n => unreachable!("groups of {n} chunks: group sizes are 32, 64, 128 or 256"),
-        }
     }
 
     /// [`row_avx2`] for `i8` activations: chunk `c`'s 32 nibbles as bytes (`[low nibbles |
@@ -517,7 +395,7 @@ mod x86 {
             let c1 = (c0 + shape.chunks_per_group).min(shape.chunks);
             let mut acc = [_mm256_setzero_si256(); TB];
             for c in c0..c1 {
-                if c.is_multiple_of(4) {
+                if c % 4 == 0 {
                     // Rows of a block are contiguous: fetch ahead across row ends (never faults).
                     _mm_prefetch::<_MM_HINT_T0>(
                         wp.wrapping_add(c * CHUNK_BYTES + PREFETCH_BYTES) as *const i8
@@ -664,6 +542,7 @@ mod x86 {
             }
         };
     }
+    row_block!(block_avx2, row_avx2, i16, "avx2,fma,f16c");
     row_block!(block_a8_avx2, row_a8_avx2, i8, "avx2,fma,f16c");
     row_block!(
         block_avx512,
