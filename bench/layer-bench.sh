@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs layer_bench at both model shapes, decode (T=1) and prefill (T=128), appending one JSON
+# Runs layer_bench at both model shapes, decode (T=1) and prefill (T=128), each sample a burst of
+# 16 consecutive calls as in a decode step, appending one JSON
 # line per run to bench/results/layer-bench-cpu.jsonl. Run on a quiet machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,3 +11,5 @@ for shape in olmoe qwen; do
     ./target/release/examples/layer_bench --shape "$shape" --tokens "$t" --json "$out" | tail -1
   done
 done
+# Single decode calls after an idle pause (the wake-up of an idle core included in each call).
+./target/release/examples/layer_bench --shape olmoe --tokens 1 --burst 1 --json "$out" | tail -1

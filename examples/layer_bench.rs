@@ -54,6 +54,11 @@ struct Args {
     /// Timed iterations per backend (round-robin across backends).
     #[arg(long)]
     iters: Option<usize>,
+    /// Consecutive calls per timed sample (each on the next routing), as the MoE layers of one
+    /// decode step follow each other; the time is reported per call. 1 times single calls
+    /// after an idle pause, which on small VMs adds the wake-up of an idle core to every call.
+    #[arg(long, default_value_t = 16)]
+    burst: usize,
     /// Random seed for weights, activations and routing.
     #[arg(long, default_value_t = 42)]
     seed: u64,
@@ -148,18 +153,23 @@ fn main() -> Result<()> {
         backends.push(("candle_q4k", q));
     }
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); backends.len()];
-    eprintln!("timing {iters} round-robin iterations…");
+    eprintln!(
+        "timing {iters} round-robin iterations of {} calls…",
+        args.burst.max(1)
+    );
+    let burst = args.burst.max(1);
     for it in 0..iters + 2 {
-        let (xs, ids, w) = &routings[it % routings.len()];
         for (b, (_, backend)) in backends.iter().enumerate() {
             // Let the previous backend's worker threads park: Candle's CPU thread pool spins for
             // about a millisecond after each op, which would steal a core from the next one.
             std::thread::sleep(std::time::Duration::from_millis(10));
             let start = Instant::now();
-            let y = backend.forward(xs, ids, w)?;
-            std::hint::black_box(y);
+            for call in 0..burst {
+                let (xs, ids, w) = &routings[(it * burst + call) % routings.len()];
+                std::hint::black_box(backend.forward(xs, ids, w)?);
+            }
             if it >= 2 {
-                times[b].push(start.elapsed().as_secs_f64() * 1e3);
+                times[b].push(start.elapsed().as_secs_f64() * 1e3 / burst as f64);
             }
         }
     }
@@ -183,7 +193,7 @@ fn main() -> Result<()> {
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "shape": name, "hidden": hidden, "intermediate": inter, "experts": experts, "top_k": k,
         "tokens": t, "group_size": args.group_size, "cpu_isa": format!("{:?}", CpuIsa::detect()),
-        "threads": rayon::current_num_threads(), "iters": iters,
+        "threads": rayon::current_num_threads(), "iters": iters, "burst": burst,
         "int4_ms": ms[0], "dense_f32_ms": get("dense_f32"), "dense_bf16_ms": get("dense_bf16"),
         "candle_q4k_ms": get("candle_q4k"), "candle_q4_0_ms": get("candle_q4_0"),
         "speedup_vs_dense_f32": get("dense_f32").map(|d| d / ms[0]),
