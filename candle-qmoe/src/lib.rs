@@ -88,5 +88,6 @@ pub mod synthetic;
 pub use error::{QmoeError, Result};
 pub use experts::{DenseExperts, GgmlExperts, Int4Experts, RoutedExperts};
 pub use linear::DenseLinear;
+pub use models::{ExpertTraffic, SequenceCache, SequenceInput};
 pub use moe::{Routing, SparseMoe};
 pub use pack::{ExpertLayout, GroupSize, ScaleSearch};

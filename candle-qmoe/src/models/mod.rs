@@ -33,6 +33,7 @@ pub mod olmoe;
 pub mod quantize;
 pub mod qwen2_moe;
 pub mod qwen3_moe;
+pub mod sequences_stub;
 
 use std::path::Path;
 
@@ -43,6 +44,7 @@ pub use config::{
 };
 pub use experts::{ExpertDims, ExpertsBackend, ExpertsLoader, PackedExperts};
 pub use quantize::{quantize_checkpoint, quantize_checkpoint_to_file, QuantizeOptions};
+pub use sequences_stub::{ExpertTraffic, SequenceCache, SequenceInput};
 
 use crate::QmoeError;
 
