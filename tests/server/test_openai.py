@@ -204,6 +204,8 @@ class FullQueue(unittest.TestCase):
         finally:
             if proc.poll() is None:
                 proc.kill()
+                proc.wait()
+            proc.stdout.close()
 
 
 if __name__ == "__main__":
