@@ -66,7 +66,7 @@ impl DenseWeights {
 pub struct Batching {
     /// Sequences held at once, each with a KV cache over the context.
     pub sequences: usize,
-    /// Most tokens in one forward pass.
+    /// Most tokens in one forward pass, all sequences together.
     pub step_tokens: usize,
 }
 
@@ -287,8 +287,9 @@ impl ModelArgs {
             dense_int8: self.dense_weights == Some(DenseWeights::Int8),
             experts: self.experts.storage(self.group_size)?,
             ctx: self.ctx,
+            // The plan's workspace is for `batch × prefill_chunk` tokens.
             batch: self.batching.sequences,
-            prefill_chunk: self.batching.step_tokens,
+            prefill_chunk: self.batching.step_tokens.div_ceil(self.batching.sequences),
             residency: self.resident.clone().unwrap_or(Resident::All),
             ..PlanOptions::new(Target::of(device))
         };
