@@ -9,3 +9,4 @@ stage "fmt" cargo fmt --all -- --check
 stage "clippy -D warnings + release build (all targets)" \
     with_clippy cargo build --release --workspace --all-targets
 stage "release tests" with_clippy cargo test --release --workspace
+stage "server end to end (openai client)" with_clippy bash scripts/test-server.sh

@@ -59,6 +59,26 @@ impl DenseWeights {
     }
 }
 
+/// What a program runs at once, which the memory plan sizes the KV cache and the workspace for:
+/// `generate` one sequence in prefill chunks of [`plan::DEFAULT_PREFILL_CHUNK`] tokens; the
+/// server its slots, with a step of their decode tokens plus a prompt chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Batching {
+    /// Sequences held at once, each with a KV cache over the context.
+    pub sequences: usize,
+    /// Most tokens in one forward pass, all sequences together.
+    pub step_tokens: usize,
+}
+
+impl Default for Batching {
+    fn default() -> Self {
+        Self {
+            sequences: 1,
+            step_tokens: plan::DEFAULT_PREFILL_CHUNK,
+        }
+    }
+}
+
 /// The flags that choose and build the model.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
@@ -126,12 +146,16 @@ pub struct ModelArgs {
     /// not fit. An alternative to --resident.
     #[arg(long, value_parser = parse_budget, conflicts_with = "resident")]
     pub vram_budget: Option<u64>,
-    /// Context (prompt + generated tokens) the budget must hold; default: the model's maximum.
-    #[arg(long, requires = "vram_budget")]
+    /// Context of a sequence (prompt + generated tokens): generation stops there, and
+    /// --vram-budget must hold it; default: the model's maximum.
+    #[arg(long)]
     pub ctx: Option<usize>,
     /// Let --vram-budget shorten the context when the model does not fit at the requested one.
     #[arg(long, requires = "vram_budget")]
     pub allow_ctx_reduction: bool,
+    /// What runs at once (not a flag: set by the program).
+    #[arg(skip)]
+    pub batching: Batching,
 }
 
 /// A clap value parser for any of the library's `FromStr` types (residency, policy, …).
@@ -201,7 +225,7 @@ impl ModelArgs {
     }
 
     /// The model's config, read without loading any weights.
-    fn config(&self) -> Result<AnyConfig> {
+    pub fn config(&self) -> Result<AnyConfig> {
         Ok(match self.synthetic {
             Some(kind) => AnyConfig::from_json_str(&kind.config_json().to_string())?,
             None => {
@@ -217,25 +241,18 @@ impl ModelArgs {
 
     /// `--vram-budget`: fits the memory plan to the budget and returns the experts per layer to
     /// keep resident (`None` when all fit: no cache needed) and the context limit, or refuses
-    /// with the plan's breakdown before anything is loaded.
+    /// with the plan's breakdown before anything is loaded. Without a budget: `--resident` and
+    /// `--ctx`.
     fn fit_budget(
         &self,
         dtype: DType,
         device: &Device,
     ) -> Result<(Option<Resident>, Option<usize>)> {
         let Some(budget) = self.vram_budget else {
-            return Ok((self.resident.clone(), None));
+            return Ok((self.resident.clone(), self.ctx));
         };
-        let spec = self.config()?.spec()?;
-        let target = Target::of(device);
-        let options = PlanOptions {
-            dtype,
-            dense_int8: self.dense_weights == Some(DenseWeights::Int8),
-            experts: self.experts.storage(self.group_size)?,
-            ctx: self.ctx,
-            ..PlanOptions::new(target)
-        };
-        let fit = Plan::new(&spec, &options)?
+        let fit = self
+            .plan(dtype, device)?
             .fit(
                 budget,
                 &FitOptions {
@@ -259,6 +276,24 @@ impl ModelArgs {
         }
         let resident = fit.plan.expert_cache();
         Ok((resident, Some(fit.plan.ctx())))
+    }
+
+    /// The memory plan of these flags (no weights are read): `--ctx` (default the model's) for
+    /// each of [`Self::batching`]'s sequences, the `--resident` experts (all without it).
+    pub fn plan(&self, dtype: DType, device: &Device) -> Result<Plan> {
+        let spec = self.config()?.spec()?;
+        let options = PlanOptions {
+            dtype,
+            dense_int8: self.dense_weights == Some(DenseWeights::Int8),
+            experts: self.experts.storage(self.group_size)?,
+            ctx: self.ctx,
+            // The plan's workspace is for `batch × prefill_chunk` tokens.
+            batch: self.batching.sequences,
+            prefill_chunk: self.batching.step_tokens.div_ceil(self.batching.sequences),
+            residency: self.resident.clone().unwrap_or(Resident::All),
+            ..PlanOptions::new(Target::of(device))
+        };
+        Ok(Plan::new(&spec, &options)?)
     }
 
     /// Builds the model (synthetic or from a checkpoint) on `device`.
@@ -350,7 +385,7 @@ pub struct Loaded {
     pub group_size: Option<usize>,
     /// The expert cache, when `--resident` or `--vram-budget` asks for one.
     pub residency: Option<Arc<Residency>>,
-    /// The context `--vram-budget` was fitted to (generation must stay within it).
+    /// `--ctx`, or the context `--vram-budget` fitted (generation must stay within it).
     pub context_limit: Option<usize>,
 }
 
@@ -413,7 +448,8 @@ impl Loaded {
         ids
     }
 
-    /// The context generation must fit: the model's, or the shorter one `--vram-budget` fitted.
+    /// The context generation must fit: the model's, or the shorter one of `--ctx` and what
+    /// `--vram-budget` fitted.
     pub fn context(&self) -> usize {
         let max = self.model.spec().max_position_embeddings;
         self.context_limit.map_or(max, |c| c.min(max))

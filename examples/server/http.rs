@@ -1,0 +1,240 @@
+//! The HTTP side (axum): routes, handlers that check and tokenize a request and hand it to the
+//! engine's bounded queue (full: 503 with `Retry-After`), answers streamed as server-sent events
+//! (with keep-alive comments) or collected, and graceful shutdown on SIGINT/SIGTERM.
+
+use std::future::IntoFuture;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use axum::body::Bytes;
+use axum::extract::{MatchedPath, Request as HttpRequest, State};
+use axum::http::StatusCode;
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::stream::{self, Stream, StreamExt};
+use serde_json::json;
+use tokio::sync::{mpsc, watch};
+
+use crate::api::{parse_request, unix_time, ApiError, Frontend, Kind, Reply};
+use crate::engine::{Event, Request};
+use crate::metrics::Metrics;
+
+/// What every handler shares.
+pub struct AppState {
+    /// Tokenizer, chat template, slot context.
+    pub frontend: Frontend,
+    /// The engine's queue.
+    pub queue: mpsc::Sender<Request>,
+    /// The metrics.
+    pub metrics: Arc<Metrics>,
+    /// Interval of SSE keep-alive comments.
+    pub keep_alive: Duration,
+    /// Start time (`created` of the model).
+    pub started: u64,
+    /// Numbers response ids.
+    pub next_id: AtomicU64,
+}
+
+type Shared = Arc<AppState>;
+
+/// The routes.
+pub fn router(state: Shared) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/metrics", get(metrics))
+        .layer(middleware::from_fn_with_state(state.clone(), count))
+        .with_state(state)
+}
+
+/// Counts every response by endpoint and status.
+async fn count(State(s): State<Shared>, request: HttpRequest, next: Next) -> Response {
+    let endpoint = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or("other".to_string(), |p| p.as_str().to_string());
+    let response = next.run(request).await;
+    s.metrics.request(&endpoint, response.status().as_u16());
+    response
+}
+
+async fn models(State(s): State<Shared>) -> Json<serde_json::Value> {
+    Json(json!({"object": "list", "data": [{
+        "id": s.frontend.model_id, "object": "model", "created": s.started,
+        "owned_by": "candle-qmoe",
+    }]}))
+}
+
+async fn metrics(State(s): State<Shared>) -> impl IntoResponse {
+    let waiting = s.queue.max_capacity() - s.queue.capacity();
+    s.metrics.queue_length.set(waiting as i64);
+    (
+        [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
+        s.metrics.encode(),
+    )
+}
+
+async fn chat(State(s): State<Shared>, body: Bytes) -> Response {
+    answer(s, body, Kind::Chat).await
+}
+
+async fn completions(State(s): State<Shared>, body: Bytes) -> Response {
+    answer(s, body, Kind::Text).await
+}
+
+/// Checks, queues and answers one request.
+async fn answer(s: Shared, body: Bytes, kind: Kind) -> Response {
+    let checked =
+        match parse_request(&body).and_then(|r| s.frontend.check(r, matches!(kind, Kind::Chat))) {
+            Ok(c) => c,
+            Err(e) => return e.into_response(),
+        };
+    let (events, rx) = mpsc::unbounded_channel();
+    let request = Request {
+        prompt: checked.prompt,
+        params: checked.params,
+        events,
+    };
+    if let Err(e) = s.queue.try_send(request) {
+        let message = match e {
+            mpsc::error::TrySendError::Full(_) => "the request queue is full: retry later",
+            mpsc::error::TrySendError::Closed(_) => "the server is shutting down",
+        };
+        return ApiError::server(StatusCode::SERVICE_UNAVAILABLE, message, "overloaded")
+            .into_response();
+    }
+    let n = s.next_id.fetch_add(1, Ordering::Relaxed);
+    let reply = Reply {
+        kind,
+        id: match kind {
+            Kind::Chat => format!("chatcmpl-{n}"),
+            Kind::Text => format!("cmpl-{n}"),
+        },
+        created: unix_time(),
+        model: s.frontend.model_id.clone(),
+    };
+    if checked.stream {
+        let keep_alive = KeepAlive::new().interval(s.keep_alive);
+        Sse::new(sse(rx, reply, checked.include_usage))
+            .keep_alive(keep_alive)
+            .into_response()
+    } else {
+        collect(rx, reply).await
+    }
+}
+
+/// An engine failure as the API reports it.
+fn failed(message: String) -> ApiError {
+    ApiError::server(StatusCode::INTERNAL_SERVER_ERROR, message, "engine_error")
+}
+
+/// Waits for the whole answer. Dropping this future (client gone) closes the channel, which
+/// frees the slot at the engine's next step.
+async fn collect(mut rx: mpsc::UnboundedReceiver<Event>, reply: Reply) -> Response {
+    let mut text = String::new();
+    while let Some(event) = rx.recv().await {
+        match event {
+            Event::Text(t) => text.push_str(&t),
+            Event::Done(finish) => return Json(reply.complete(&text, &finish)).into_response(),
+            Event::Failed(message) => return failed(message).into_response(),
+        }
+    }
+    failed("the engine stopped".into()).into_response()
+}
+
+/// The answer as server-sent events ending with `data: [DONE]`; dropping the stream (client
+/// gone) closes the channel.
+fn sse(
+    rx: mpsc::UnboundedReceiver<Event>,
+    reply: Reply,
+    include_usage: bool,
+) -> impl Stream<Item = Result<SseEvent, std::convert::Infallible>> {
+    let data = |v: serde_json::Value| SseEvent::default().data(v.to_string());
+    let done = || SseEvent::default().data("[DONE]");
+    let events = stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) });
+    let mut first = true;
+    events.flat_map(move |event| {
+        let out = match event {
+            Event::Text(t) => {
+                let chunk = reply.chunk(&t, first, None);
+                first = false;
+                vec![data(chunk)]
+            }
+            Event::Done(finish) => {
+                let mut out = vec![data(reply.chunk("", first, Some(&finish)))];
+                if include_usage {
+                    out.push(data(reply.usage_chunk(&finish)));
+                }
+                out.push(done());
+                out
+            }
+            Event::Failed(message) => vec![data(failed(message).body()), done()],
+        };
+        stream::iter(out.into_iter().map(Ok))
+    })
+}
+
+/// Resolves at SIGINT or SIGTERM.
+async fn signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = ctrl_c => {}
+                _ = term.recv() => {}
+            }
+        }
+        Err(_) => {
+            let _ = ctrl_c.await;
+        }
+    }
+}
+
+/// Serves `state` on `host:port` (0: a free port) until SIGINT/SIGTERM; then stops accepting,
+/// lets requests in flight finish for `grace`, and after it sets `cancel`, which makes the
+/// engine end the rest.
+pub async fn serve(
+    state: Shared,
+    host: &str,
+    port: u16,
+    grace: Duration,
+    cancel: Arc<AtomicBool>,
+) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind((host, port))
+        .await
+        .with_context(|| format!("cannot listen on {host}:{port}"))?;
+    let addr = listener.local_addr()?;
+    println!("listening on http://{addr}");
+    std::io::Write::flush(&mut std::io::stdout())?;
+    let (stop_tx, mut stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        signal().await;
+        println!("shutting down: no new connections; requests in flight get {grace:?}");
+        let _ = stop_tx.send(true);
+    });
+    let mut stopping = stop_rx.clone();
+    let server = axum::serve(listener, router(state)).with_graceful_shutdown(async move {
+        let _ = stopping.wait_for(|&s| s).await;
+    });
+    let server = server.into_future();
+    tokio::pin!(server);
+    tokio::select! {
+        r = &mut server => r?,
+        _ = async {
+            let _ = stop_rx.wait_for(|&s| s).await;
+            tokio::time::sleep(grace).await;
+        } => {
+            println!("grace period over: cancelling the requests still in flight");
+            cancel.store(true, Ordering::Relaxed);
+            let _ = tokio::time::timeout(Duration::from_secs(2), &mut server).await;
+        }
+    }
+    Ok(())
+}

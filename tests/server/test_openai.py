@@ -1,0 +1,251 @@
+"""The server through the official `openai` client (and raw HTTP for malformed bodies).
+
+Usage: python tests/server/test_openai.py URL   (a server on `--synthetic tiny --cpu`; the
+full-queue test starts its own `--parallel 1 --queue 1` server from $QMOE_SERVER_BIN).
+"""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import unittest
+
+import openai
+
+from common import client, metrics, raw
+
+URL = None
+
+
+def wait_until(condition, what, polls=300):
+    """Polls `condition` every 0.1 s, `polls` times at most (counted, not timed: a paused
+    machine does not use the allowance up)."""
+    for _ in range(polls):
+        if condition():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting until {what}")
+
+
+class Api(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.c = client(URL)
+        cls.model = cls.c.models.list().data[0].id
+
+    def chat(self, **kw):
+        kw.setdefault("messages", [{"role": "user", "content": "What is a mixture of experts?"}])
+        return self.c.chat.completions.create(model=self.model, **kw)
+
+    def complete(self, **kw):
+        kw.setdefault("prompt", "The capital of France is")
+        return self.c.completions.create(model=self.model, **kw)
+
+    def check_usage(self, usage, completion_tokens=None):
+        self.assertGreater(usage.prompt_tokens, 0)
+        self.assertEqual(usage.total_tokens, usage.prompt_tokens + usage.completion_tokens)
+        if completion_tokens is not None:
+            self.assertEqual(usage.completion_tokens, completion_tokens)
+
+    def test_models_health_metrics(self):
+        models = self.c.models.list().data
+        self.assertEqual(len(models), 1)
+        self.assertEqual(raw(URL, "/health")[0], 200)
+        self.chat(max_tokens=2, temperature=0)
+        m = metrics(URL)
+        for name in [
+            "qmoe_prompt_tokens_total",
+            "qmoe_generated_tokens_total",
+            "qmoe_queue_length",
+            "qmoe_slots_busy",
+            "qmoe_decode_tokens_per_second",
+            "qmoe_expert_bytes_read_total",
+        ]:
+            self.assertIn(name, m)
+        self.assertGreater(m['qmoe_requests_total{endpoint="/v1/chat/completions",status="200"}'], 0)
+        self.assertGreater(m["qmoe_generated_tokens_total"], 0)
+
+    def test_chat_greedy_stream_equals_non_stream_with_usage(self):
+        r = self.chat(max_tokens=12, temperature=0)
+        self.assertEqual(r.object, "chat.completion")
+        choice = r.choices[0]
+        self.assertEqual(choice.message.role, "assistant")
+        self.assertIn(choice.finish_reason, ("stop", "length"))
+        if choice.finish_reason == "length":
+            self.check_usage(r.usage, 12)
+        chunks = list(self.chat(max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}))
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        self.assertEqual(text, choice.message.content)
+        finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+        self.assertEqual(finals, [choice.finish_reason])
+        self.assertEqual(chunks[-1].choices, [])
+        self.assertEqual(chunks[-1].usage.model_dump(), r.usage.model_dump())
+        # Without include_usage no chunk carries usage.
+        plain = list(self.chat(max_tokens=3, temperature=0, stream=True))
+        self.assertTrue(all(ch.usage is None for ch in plain))
+
+    def test_completions_greedy_stream_equals_non_stream(self):
+        r = self.complete(max_tokens=10, temperature=0)
+        self.assertEqual(r.object, "text_completion")
+        self.assertEqual(r.choices[0].finish_reason, "length")
+        self.check_usage(r.usage, 10)
+        stream = self.complete(max_tokens=10, temperature=0, stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        self.assertEqual("".join(ch.choices[0].text for ch in chunks if ch.choices), r.choices[0].text)
+        self.assertEqual(chunks[-1].usage.completion_tokens, 10)
+
+    def test_max_completion_tokens_and_seeded_sampling(self):
+        r = self.chat(max_completion_tokens=5, temperature=0)
+        self.check_usage(r.usage, 5)
+        a = self.complete(max_tokens=8, temperature=1.0, top_p=0.9, seed=7).choices[0].text
+        b = self.complete(max_tokens=8, temperature=1.0, top_p=0.9, seed=7).choices[0].text
+        self.assertEqual(a, b)
+
+    def test_stop_strings_are_cut_and_not_sent(self):
+        full = self.complete(max_tokens=24, temperature=0).choices[0].text
+        words = re.findall(r"\S{3,}", full[4:])
+        self.assertTrue(words, f"no word to stop at in {full!r}")
+        stop = words[len(words) // 2]
+        want = full[: full.index(stop)]
+        for stops in (stop, ["never-generated-zzz", stop]):
+            r = self.complete(max_tokens=24, temperature=0, stop=stops)
+            self.assertEqual(r.choices[0].text, want)
+            self.assertEqual(r.choices[0].finish_reason, "stop")
+            self.assertLess(r.usage.completion_tokens, 24)
+            streamed = "".join(ch.choices[0].text for ch in self.complete(max_tokens=24, temperature=0, stop=stops, stream=True))
+            self.assertEqual(streamed, want)
+
+    def test_multi_turn_messages_use_the_chat_template(self):
+        one = self.chat(max_tokens=1, temperature=0).usage.prompt_tokens
+        turns = [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "What is a mixture of experts?"},
+            {"role": "assistant", "content": "A routed network."},
+            {"role": "user", "content": [{"type": "text", "text": "Say more."}]},
+        ]
+        r = self.chat(messages=turns, max_tokens=2, temperature=0)
+        self.assertGreater(r.usage.prompt_tokens, one + 10)
+
+    def test_unknown_fields_are_ignored(self):
+        r = self.chat(max_tokens=2, temperature=0, extra_body={"frobnicate": {"x": 1}, "logit_bias": None})
+        self.check_usage(r.usage, 2)
+
+    def assert_error(self, status, body, param=None):
+        code, _, text = raw(URL, "/v1/chat/completions", body)
+        self.assertEqual(code, status, text)
+        err = json.loads(text)["error"]
+        self.assertEqual(set(err), {"message", "type", "param", "code"})
+        self.assertEqual(err["type"], "invalid_request_error")
+        self.assertEqual(err["param"], param)
+        return err["message"]
+
+    def test_bad_requests_are_400_naming_the_field(self):
+        msgs = [{"role": "user", "content": "hi"}]
+        self.assert_error(400, b'{"messages": [', None)
+        self.assertIn("max_tokens", self.assert_error(400, {"messages": msgs, "max_tokens": "ten"}, "max_tokens"))
+        self.assert_error(400, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content")
+        self.assert_error(400, {"messages": msgs, "temperature": 3}, "temperature")
+        self.assert_error(400, {"messages": msgs, "n": 2}, "n")
+        self.assert_error(400, {"messages": []}, "messages")
+        with self.assertRaises(openai.BadRequestError) as e:
+            self.chat(n=2)
+        self.assertEqual(e.exception.status_code, 400)
+        with self.assertRaises(openai.BadRequestError) as e:
+            self.complete(prompt="hello " * 5000, max_tokens=1)
+        self.assertIn("--ctx", str(e.exception))
+
+    def test_client_disconnect_frees_the_slot(self):
+        before = metrics(URL)["qmoe_generated_tokens_total"]
+        stream = self.complete(max_tokens=3000, temperature=0, stream=True)
+        next(iter(stream))
+        stream.close()
+        wait_until(lambda: metrics(URL)["qmoe_slots_busy"] == 0, "the slot is freed")
+        self.assertLess(metrics(URL)["qmoe_generated_tokens_total"] - before, 3000)
+
+
+def spawn_server(*flags):
+    """A second server from $QMOE_SERVER_BIN on the tiny model with `flags`: (process, URL)."""
+    cmd = [os.environ["QMOE_SERVER_BIN"], "--synthetic", "tiny", "--cpu", "--port", "0", *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        m = re.search(r"listening on (http://\S+)", line)
+        if m:
+            # Keep reading its output so that it never blocks on a full pipe.
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            return proc, m.group(1)
+    raise AssertionError(f"the server did not start: {proc.wait()}")
+
+
+def stop(proc):
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    proc.stdout.close()
+
+
+@unittest.skipUnless(os.environ.get("QMOE_SERVER_BIN"), "QMOE_SERVER_BIN not set")
+class OwnServer(unittest.TestCase):
+    def test_full_queue_is_503_with_retry_after(self):
+        proc, url = spawn_server("--parallel", "1", "--queue", "1")
+        try:
+            body = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0}
+            results = [None] * 6
+
+            def call(i):
+                results[i] = raw(url, "/v1/completions", body)
+
+            threads = [threading.Thread(target=call, args=(i,)) for i in range(6)]
+            for t in threads:
+                t.start()
+                time.sleep(0.05)
+            for t in threads:
+                t.join()
+            codes = sorted(r[0] for r in results)
+            self.assertEqual(set(codes), {200, 503})
+            busy = next(r for r in results if r[0] == 503)
+            self.assertEqual(busy[1].get("retry-after") or busy[1].get("Retry-After"), "1")
+            self.assertEqual(json.loads(busy[2])["error"]["type"], "server_error")
+            proc.terminate()
+            self.assertEqual(proc.wait(timeout=30), 0)
+        finally:
+            stop(proc)
+
+    def test_non_streaming_disconnect_frees_the_slot(self):
+        proc, url = spawn_server("--parallel", "1")
+        try:
+            host, port = url.split("//")[1].split(":")
+            body = json.dumps({"prompt": "Hi", "max_tokens": 3000, "temperature": 0}).encode()
+            with socket.create_connection((host, int(port))) as s:
+                head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                s.sendall(head.encode() + body)
+                wait_until(lambda: metrics(url)["qmoe_generated_tokens_total"] >= 5, "tokens come")
+            wait_until(lambda: metrics(url)["qmoe_slots_busy"] == 0, "the slot is freed")
+            self.assertLess(metrics(url)["qmoe_generated_tokens_total"], 3000)
+        finally:
+            stop(proc)
+
+    def test_sigterm_cancels_what_the_grace_period_does_not_finish(self):
+        proc, url = spawn_server("--shutdown-grace-secs", "1")
+        try:
+            result = []
+            body = {"prompt": "Hi", "max_tokens": 3000, "temperature": 0}
+            t = threading.Thread(target=lambda: result.append(raw(url, "/v1/completions", body)))
+            t.start()
+            wait_until(lambda: metrics(url)["qmoe_generated_tokens_total"] >= 5, "tokens come")
+            proc.terminate()
+            self.assertEqual(proc.wait(timeout=120), 0)
+            t.join()
+            status, _, text = result[0]
+            self.assertEqual(status, 500)
+            self.assertIn("shutting down", json.loads(text)["error"]["message"])
+        finally:
+            stop(proc)
+
+
+if __name__ == "__main__":
+    URL = sys.argv.pop(1).rstrip("/")
+    unittest.main(verbosity=2)
