@@ -70,6 +70,7 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default="bench/results/serve-throughput-cpu")
     ap.add_argument("--command", default=" ".join(sys.argv))
+    ap.add_argument("--bandwidth", help="the machine's read/copy bandwidth probe (mem_bandwidth's JSON line)")
     args = ap.parse_args()
     url = args.url.rstrip("/")
     c = client(url)
@@ -83,6 +84,7 @@ def main():
     report = {
         **evidence(),
         "command": args.command,
+        "memory_bandwidth": json.loads(args.bandwidth) if args.bandwidth else None,
         "model": model,
         "slots": metrics(url).get("qmoe_slots"),
         "prompt": PROMPT,
