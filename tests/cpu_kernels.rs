@@ -67,6 +67,30 @@ fn check_matmul(y: &[f32], x: &[f32], w: &[bf16], m: usize, k: usize, n: usize, 
     }
 }
 
+/// Each activation row computed alone equals its row of the whole call, bit for bit: a token's
+/// output does not depend on the others batched with it (continuous batching relies on it).
+fn check_rows_alone(
+    y: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    x: &[f32],
+    what: &str,
+    f: impl Fn(&[f32]) -> Vec<f32>,
+) {
+    if m == 1 {
+        return;
+    }
+    for t in 0..m {
+        let alone = f(&x[t * k..(t + 1) * k]);
+        assert_eq!(
+            alone,
+            y[t * n..(t + 1) * n],
+            "{what}: row {t} alone differs from the batch"
+        );
+    }
+}
+
 fn bf16_matmul_trials(name: &str, isa: CpuIsa) -> Vec<Trial> {
     vec![Trial::test(
         format!("{name}::bf16_matmul_matches_f64_reference"),
@@ -83,6 +107,9 @@ fn bf16_matmul_trials(name: &str, isa: CpuIsa) -> Vec<Trial> {
                     y, single,
                     "{isa:?} m{m} k{k} n{n}: differs between thread counts"
                 );
+                check_rows_alone(&y, m, k, n, &x, &format!("{isa:?} m{m} k{k} n{n}"), |xr| {
+                    bf16_matmul(isa, xr, 1, k, &w, n)
+                });
             }
             Ok(())
         },
@@ -107,6 +134,9 @@ fn int8_trials(name: &str, isa: CpuIsa) -> Vec<Trial> {
                     assert!((a - b.to_f32()).abs() <= 0.02 * 3.0 / 127.0, "{a} vs {b}");
                 }
                 let y = int8_matmul(isa, &x, m, &q);
+                check_rows_alone(&y, m, k, n, &x, &format!("{isa:?} m{m} k{k} n{n}"), |xr| {
+                    int8_matmul(isa, xr, 1, &q)
+                });
                 for t in 0..m {
                     let xr = &x[t * k..(t + 1) * k];
                     for r in 0..n {

@@ -285,7 +285,7 @@ fn dot_scalar<T: ActInt, const TB: usize>(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
-    use crate::kernels::x86_simd::hsum256;
+    use crate::kernels::x86_simd::{hsum256, hsum_lanes};
     use std::arch::x86_64::*;
 
     /// How far ahead of the current chunk weights are prefetched.
@@ -495,23 +495,6 @@ mod x86 {
         let mut out = [0f32; MAX_TOKEN_BLOCK];
         _mm256_storeu_ps(out.as_mut_ptr(), facc);
         std::array::from_fn(|t| out[t])
-    }
-
-    /// Lane `t` of the result is the sum of the eight lanes of `v[t]`.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn hsum_lanes(v: [__m256i; MAX_TOKEN_BLOCK]) -> __m256i {
-        let ab = _mm256_hadd_epi32(v[0], v[1]);
-        let cd = _mm256_hadd_epi32(v[2], v[3]);
-        let ef = _mm256_hadd_epi32(v[4], v[5]);
-        let gh = _mm256_hadd_epi32(v[6], v[7]);
-        // [a b c d | a b c d] partial sums of the low and high 128-bit halves.
-        let abcd = _mm256_hadd_epi32(ab, cd);
-        let efgh = _mm256_hadd_epi32(ef, gh);
-        _mm256_add_epi32(
-            _mm256_permute2x128_si256(abcd, efgh, 0x20),
-            _mm256_permute2x128_si256(abcd, efgh, 0x31),
-        )
     }
 
     /// Chunk `c` as 32 × i16: `[low nibbles of bytes 0..16 | high nibbles of bytes 0..16]`, the

@@ -386,13 +386,16 @@ fn int8_dots(isa: CpuIsa, wq: &[i8], ws: &[half::f16], rows: &[(&[i8], &[f32])],
 mod x86_int8 {
     use std::arch::x86_64::*;
 
-    use crate::kernels::x86_simd::hsum256;
+    use crate::kernels::x86_simd::{hsum256, hsum_lanes};
 
     use super::INT8_GROUP;
 
     /// AVX2 `int8_dots`: `vpmaddubsw` on `|w|` and `x` with `w`'s sign (products of two values
-    /// in `[-127, 127]` pair-summed stay within i16), `vpmaddwd` by ones to i32, then one FMA
-    /// per group and row with the product of the scales.
+    /// in `[-127, 127]` pair-summed stay within i16), `vpmaddwd` by ones to i32. Runs of 8
+    /// groups are scaled together: the 8 exact group sums gathered into one vector (lane `j` =
+    /// group `j`), times the 8 weight scales (one F16C conversion) and the row's 8 activation
+    /// scales, one FMA; the groups after the last run one FMA each. Every row takes the same
+    /// steps whatever the number of rows, so a token's output does not depend on its batch.
     ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; the slices hold whole groups.
@@ -408,24 +411,39 @@ mod x86_int8 {
         for (xq, xs) in rows {
             assert!(xq.len() >= groups * INT8_GROUP && xs.len() >= groups);
         }
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); 4];
-        for g in 0..groups {
-            let w = _mm256_loadu_si256(wq.as_ptr().add(g * INT8_GROUP) as *const __m256i);
-            let wabs = _mm256_sign_epi8(w, w);
-            // F16C conversion of the weight scale (half's `to_f32` is not inlined here).
-            let sw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(ws[g].to_bits() as i32)));
-            for (j, (xq, xs)) in rows.iter().enumerate() {
-                let x = _mm256_loadu_si256(xq.as_ptr().add(g * INT8_GROUP) as *const __m256i);
-                let prod = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, w));
-                let sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, ones));
-                // A single row alternates two chains to hide the FMA latency.
-                let a = if rows.len() == 1 { g % 2 } else { j };
-                acc[a] = _mm256_fmadd_ps(sum, _mm256_set1_ps(sw * xs[g]), acc[a]);
-            }
+        /// Group `g`'s eight partial i32 sums of `w · x`.
+        ///
+        /// # Safety
+        /// AVX2; group `g` lies inside both rows.
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        unsafe fn group_sum(w: *const i8, x: *const i8, g: usize) -> __m256i {
+            let w = _mm256_loadu_si256(w.add(g * INT8_GROUP) as *const __m256i);
+            let x = _mm256_loadu_si256(x.add(g * INT8_GROUP) as *const __m256i);
+            let prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+            _mm256_madd_epi16(prod, _mm256_set1_epi16(1))
         }
-        if rows.len() == 1 {
-            acc[0] = _mm256_add_ps(acc[0], acc[1]);
+        // SAFETY (all loads): the asserts above keep every group inside `wq`, `ws`, `xq`, `xs`.
+        let wp = wq.as_ptr();
+        let runs = groups / 8;
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for (a, (xq, xs)) in acc.iter_mut().zip(rows) {
+            for run in 0..runs {
+                let g0 = run * 8;
+                let mut sums = [_mm256_setzero_si256(); 8];
+                for (j, sum) in sums.iter_mut().enumerate() {
+                    *sum = group_sum(wp, xq.as_ptr(), g0 + j);
+                }
+                let sw = _mm256_cvtph_ps(_mm_loadu_si128(ws.as_ptr().add(g0) as *const __m128i));
+                let scale = _mm256_mul_ps(sw, _mm256_loadu_ps(xs.as_ptr().add(g0)));
+                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum_lanes(sums)), scale, *a);
+            }
+            for g in runs * 8..groups {
+                // F16C conversion of the weight scale (half's `to_f32` is not inlined here).
+                let sw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(ws[g].to_bits() as i32)));
+                let sum = _mm256_cvtepi32_ps(group_sum(wp, xq.as_ptr(), g));
+                *a = _mm256_fmadd_ps(sum, _mm256_set1_ps(sw * xs[g]), *a);
+            }
         }
         for (y, v) in out.iter_mut().zip(&acc[..rows.len()]) {
             *y = hsum256(*v);

@@ -28,6 +28,23 @@ pub(crate) mod x86_simd {
         let s = _mm_add_ss(s, _mm_movehdup_ps(s));
         _mm_cvtss_f32(s)
     }
+
+    /// Lane `t` of the result is the sum of the eight lanes of `v[t]`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(crate) fn hsum_lanes(v: [__m256i; 8]) -> __m256i {
+        let ab = _mm256_hadd_epi32(v[0], v[1]);
+        let cd = _mm256_hadd_epi32(v[2], v[3]);
+        let ef = _mm256_hadd_epi32(v[4], v[5]);
+        let gh = _mm256_hadd_epi32(v[6], v[7]);
+        // [a b c d | a b c d] partial sums of the low and high 128-bit halves.
+        let abcd = _mm256_hadd_epi32(ab, cd);
+        let efgh = _mm256_hadd_epi32(ef, gh);
+        _mm256_add_epi32(
+            _mm256_permute2x128_si256(abcd, efgh, 0x20),
+            _mm256_permute2x128_si256(abcd, efgh, 0x31),
+        )
+    }
 }
 
 /// The contiguous elements of a CPU storage, or an error saying that `what` must be contiguous.
