@@ -178,15 +178,14 @@ impl Slot<'_> {
         self.tokens.len() - self.prompt_len()
     }
 
-    /// Tokens this step feeds: the sampled token while decoding, else the next prompt tokens
-    /// within `budget`.
-    fn want(&self, budget: usize) -> usize {
-        let fed = self.cache.len();
-        if fed >= self.prompt_len() {
-            1
-        } else {
-            (self.prompt_len() - fed).min(budget)
-        }
+    /// Whether the whole prompt is in the cache (the slot feeds its sampled tokens).
+    fn decoding(&self) -> bool {
+        self.cache.len() >= self.prompt_len()
+    }
+
+    /// The next prompt tokens to feed within `budget`.
+    fn prompt_chunk(&self, budget: usize) -> usize {
+        (self.prompt_len() - self.cache.len()).min(budget)
     }
 
     fn send(&self, event: Event) {
@@ -346,30 +345,25 @@ impl<'t> Engine<'t> {
     /// One batch: every decoding slot's next token and up to `prefill_chunk` prompt tokens.
     fn step(&mut self) {
         let start = Instant::now();
-        let mut budget = self.config.prefill_chunk;
+        // Every decoding slot feeds its next token; prompts, oldest first, share the budget.
         let mut feed = vec![0; self.slots.len()];
+        let (mut decode, mut prompt) = (Vec::new(), Vec::new());
+        let mut budget = self.config.prefill_chunk;
         for (i, slot) in self.slots.iter().enumerate() {
-            let decoding = slot.cache.len() >= slot.prompt_len();
-            // Decoding slots first (always fed), then prompts oldest first within the budget.
-            if decoding {
+            if slot.decoding() {
                 feed[i] = 1;
-            }
-        }
-        for (i, slot) in self.slots.iter().enumerate() {
-            if feed[i] == 0 && budget > 0 {
-                feed[i] = slot.want(budget);
+                decode.push(i);
+            } else if budget > 0 {
+                feed[i] = slot.prompt_chunk(budget);
                 budget -= feed[i];
+                prompt.push(i);
             }
         }
-        let fed: Vec<usize> = (0..self.slots.len()).filter(|&i| feed[i] > 0).collect();
         // Decode tokens and prompt chunks run as separate forwards, decode tokens in forwards
         // of fewer than W4A8_MIN_TOKENS: the INT4 kernel then keeps 16-bit activations for
         // every decode token, and a prompt chunk is computed as it would be alone, so a
         // request's tokens do not depend on what it is batched with (its kernels are
         // batch-invariant, tests/routed_experts.rs).
-        let (decode, prompt): (Vec<usize>, Vec<usize>) = fed
-            .iter()
-            .partition(|&&i| self.slots[i].cache.len() >= self.slots[i].prompt_len());
         let mut results: Vec<Option<Result<Tensor, String>>> = vec![None; self.slots.len()];
         let parts = decode
             .chunks(W4A8_MIN_TOKENS - 1)
@@ -386,8 +380,8 @@ impl<'t> Engine<'t> {
         }
         let mut sampled = 0;
         let mut done = vec![None; self.slots.len()];
-        for &i in &fed {
-            let Some(result) = results[i].take() else {
+        for (i, result) in results.into_iter().enumerate() {
+            let Some(result) = result else {
                 continue;
             };
             let slot = &mut self.slots[i];
