@@ -448,15 +448,25 @@ fn name_seed(seed: u64, name: &str) -> u64 {
 /// chunks whose seeds depend only on `seed` and the chunk index, so the result does not depend
 /// on the number of threads.
 pub fn uniform(seed: u64, n: usize, std: f32) -> Vec<f32> {
+    uniform_as(seed, n, std, |x| x)
+}
+
+/// [`uniform`]'s values converted by `conv` as they are drawn (no F32 copy of the whole).
+fn uniform_as<T: Copy + Default + Send>(
+    seed: u64,
+    n: usize,
+    std: f32,
+    conv: impl Fn(f32) -> T + Sync,
+) -> Vec<T> {
     const CHUNK: usize = 1 << 16;
     let a = std * 3f32.sqrt();
-    let mut v = vec![0f32; n];
+    let mut v = vec![T::default(); n];
     v.par_chunks_mut(CHUNK).enumerate().for_each(|(c, out)| {
         let mut rng = SplitMix64(derive_seed(seed, c as u64));
         for pair in out.chunks_mut(2) {
             let r = rng.next();
             for (x, bits) in pair.iter_mut().zip([r, r >> 32]) {
-                *x = (2.0 * unit24(bits) - 1.0) * a;
+                *x = conv((2.0 * unit24(bits) - 1.0) * a);
             }
         }
     });
@@ -575,15 +585,24 @@ impl NonExpert {
     /// Its values for the model of seed `seed`, rounded to BF16 (as a real checkpoint stores
     /// them).
     fn values(&self, seed: u64) -> Vec<f32> {
+        self.values_as(seed, |x| half::bf16::from_f32(x).to_f32())
+    }
+
+    /// [`Self::values`] in BF16, drawn straight into BF16 (a loader holds no F32 copy).
+    fn bf16_values(&self, seed: u64) -> Vec<half::bf16> {
+        self.values_as(seed, half::bf16::from_f32)
+    }
+
+    /// Its values converted by `conv` as they are drawn.
+    fn values_as<T: Copy + Default + Send>(
+        &self,
+        seed: u64,
+        conv: impl Fn(f32) -> T + Sync,
+    ) -> Vec<T> {
         let n = self.shape.iter().product();
         match self.init {
-            Init::Ones => vec![1f32; n],
-            Init::Uniform(std) => {
-                let mut v = uniform(name_seed(seed, &self.name), n, std);
-                v.par_iter_mut()
-                    .for_each(|x| *x = half::bf16::from_f32(*x).to_f32());
-                v
-            }
+            Init::Ones => vec![conv(1.0); n],
+            Init::Uniform(std) => uniform_as(name_seed(seed, &self.name), n, std, conv),
         }
     }
 }
@@ -817,11 +836,9 @@ impl SyntheticModel {
         let tensors = non_expert_tensors(&spec)
             .into_iter()
             .map(|t| {
-                let values = t.values(seed);
                 // Stored in BF16, as checkpoints are: the default path computes from these
                 // bytes, and an F32 VarBuilder widens them exactly.
-                let tensor =
-                    Tensor::from_vec(values, t.shape, &Device::Cpu)?.to_dtype(DType::BF16)?;
+                let tensor = Tensor::from_vec(t.bf16_values(seed), t.shape, &Device::Cpu)?;
                 Ok((t.name, tensor))
             })
             .collect::<candle::Result<HashMap<_, _>>>()?;
