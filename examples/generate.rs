@@ -87,6 +87,11 @@ fn check_args(args: &Args) -> Result<()> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // The whole run on a thread of rayon's pool (see `on_rayon_pool`).
+    candle_qmoe::generation::on_rayon_pool(move || run(args))
+}
+
+fn run(args: Args) -> Result<()> {
     check_args(&args)?;
     let device = args.model.device()?;
     let dtype = args.model.compute_dtype(&device);

@@ -144,7 +144,10 @@ fn main() -> Result<()> {
         std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || {
-                Engine::new(model, &tokenizer, config, requests, metrics, cancel).run()
+                // The model's steps on a thread of rayon's pool (see `on_rayon_pool`).
+                candle_qmoe::generation::on_rayon_pool(move || {
+                    Engine::new(model, &tokenizer, config, requests, metrics, cancel).run()
+                })
             })?
     };
     let state = Arc::new(http::AppState {
