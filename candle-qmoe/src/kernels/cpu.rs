@@ -285,7 +285,7 @@ fn dot_scalar<T: ActInt, const TB: usize>(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
-    use crate::kernels::x86_simd::{hsum256, hsum_lanes};
+    use crate::kernels::x86_simd::{f16_bits_to_f32, hsum256, hsum_lanes};
     use std::arch::x86_64::*;
 
     /// How far ahead of the current chunk weights are prefetched.
@@ -295,8 +295,7 @@ mod x86 {
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
     fn scale_f16c(s: &[u8], g: usize) -> f32 {
-        let bits = u16::from_le_bytes([s[2 * g], s[2 * g + 1]]) as i32;
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)))
+        f16_bits_to_f32(u16::from_le_bytes([s[2 * g], s[2 * g + 1]]))
     }
 
     /// Low and high nibbles of chunk `c` widened to 16 × i16 each.

@@ -386,7 +386,7 @@ fn int8_dots(isa: CpuIsa, wq: &[i8], ws: &[half::f16], rows: &[(&[i8], &[f32])],
 mod x86_int8 {
     use std::arch::x86_64::*;
 
-    use crate::kernels::x86_simd::{hsum256, hsum_lanes};
+    use crate::kernels::x86_simd::{f16_bits_to_f32, hsum256, hsum_lanes};
 
     use super::INT8_GROUP;
 
@@ -439,8 +439,7 @@ mod x86_int8 {
                 *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum_lanes(sums)), scale, *a);
             }
             for g in runs * 8..groups {
-                // F16C conversion of the weight scale (half's `to_f32` is not inlined here).
-                let sw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(ws[g].to_bits() as i32)));
+                let sw = f16_bits_to_f32(ws[g].to_bits());
                 let sum = _mm256_cvtepi32_ps(group_sum(wp, xq.as_ptr(), g));
                 *a = _mm256_fmadd_ps(sum, _mm256_set1_ps(sw * xs[g]), *a);
             }

@@ -29,6 +29,14 @@ pub(crate) mod x86_simd {
         _mm_cvtss_f32(s)
     }
 
+    /// The FP16 value with bits `bits` as F32, converted by one F16C instruction (`half`'s
+    /// `to_f32` is not inlined into the kernels).
+    #[inline]
+    #[target_feature(enable = "avx2,f16c")]
+    pub(crate) fn f16_bits_to_f32(bits: u16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+
     /// Lane `t` of the result is the sum of the eight lanes of `v[t]`.
     #[inline]
     #[target_feature(enable = "avx2")]
