@@ -15,7 +15,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::cpu::CpuIsa;
-use super::transpose_to_tokens;
+use super::{round_to_i32, transpose_to_tokens};
 
 /// Output rows per rayon task: a block of `W` is 64 rows × 2K bytes (256 KiB at K = 2048).
 const ROW_BLOCK: usize = 64;
@@ -229,7 +229,7 @@ fn quantize_group_i8(
         return 0.0;
     }
     for (qi, x) in q.iter_mut().zip(v) {
-        *qi = (x / s).round().clamp(-127.0, 127.0) as i8;
+        *qi = round_to_i32(x / s).clamp(-127, 127) as i8;
     }
     s
 }
