@@ -96,6 +96,15 @@ fn main() -> Result<()> {
     let rtn = LayerPack::quantize("layer", ExpertNames::PROJ, &dense, layout, ScaleSearch::Rtn)?;
     eprintln!("quantized in {quantize_s:.1}s; building baselines…");
     let int4 = Int4Experts::new(pack.clone());
+    // The kernel on every other vector instruction set this CPU has, timed alongside.
+    let other_isas: Vec<(String, Int4Experts)> = CpuIsa::ALL
+        .into_iter()
+        .filter(|&isa| isa != int4.isa() && isa != CpuIsa::Scalar && isa.is_available())
+        .map(|isa| {
+            let name = format!("int4_{}", isa.name());
+            (name, Int4Experts::with_isa(pack.clone(), isa))
+        })
+        .collect();
     let f32_experts = DenseExperts::new(dense.clone())?;
     let bf16_experts = DenseExperts::new(
         dense
@@ -152,6 +161,9 @@ fn main() -> Result<()> {
     if let Some(q) = &q4k {
         backends.push(("candle_q4k", q));
     }
+    for (name, experts) in &other_isas {
+        backends.push((name, experts));
+    }
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); backends.len()];
     eprintln!(
         "timing {iters} round-robin iterations of {} calls…",
@@ -192,7 +204,9 @@ fn main() -> Result<()> {
         "device": candle_qmoe_suite::system::cpu_model(), "commit": candle_qmoe_suite::system::git_commit(),
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "shape": name, "hidden": hidden, "intermediate": inter, "experts": experts, "top_k": k,
-        "tokens": t, "group_size": args.group_size, "cpu_isa": format!("{:?}", CpuIsa::detect()),
+        "tokens": t, "group_size": args.group_size, "cpu_isa": int4.isa().name(),
+        "int4_ms_by_isa": other_isas.iter().map(|(n, _)| (n.trim_start_matches("int4_"), get(n)))
+            .chain([(int4.isa().name(), Some(ms[0]))]).collect::<std::collections::BTreeMap<_, _>>(),
         "threads": rayon::current_num_threads(), "iters": iters, "burst": burst,
         "int4_ms": ms[0], "dense_f32_ms": get("dense_f32"), "dense_bf16_ms": get("dense_bf16"),
         "candle_q4k_ms": get("candle_q4k"), "candle_q4_0_ms": get("candle_q4_0"),

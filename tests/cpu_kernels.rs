@@ -134,6 +134,11 @@ fn int8_trials(name: &str, isa: CpuIsa) -> Vec<Trial> {
                     assert!((a - b.to_f32()).abs() <= 0.02 * 3.0 / 127.0, "{a} vs {b}");
                 }
                 let y = int8_matmul(isa, &x, m, &q);
+                // AVX-512 VNNI sums the same integers per lane as AVX2: the same bits.
+                if isa == CpuIsa::Avx512Vnni && CpuIsa::Avx2.is_available() {
+                    let avx2 = int8_matmul(CpuIsa::Avx2, &x, m, &q);
+                    assert_eq!(y, avx2, "m{m} k{k} n{n}: AVX-512 VNNI and AVX2 differ");
+                }
                 check_rows_alone(&y, m, k, n, &x, &format!("{isa:?} m{m} k{k} n{n}"), |xr| {
                     int8_matmul(isa, xr, 1, &q)
                 });
@@ -329,12 +334,20 @@ fn main() {
     let args = Arguments::from_args();
     let mut all = isa_trials(
         "dense",
-        &[("portable", CpuIsa::Scalar), ("avx2", CpuIsa::Avx2)],
+        &[
+            ("portable", CpuIsa::Scalar),
+            ("avx2", CpuIsa::Avx2),
+            ("avx512", CpuIsa::Avx512Vnni),
+        ],
         bf16_matmul_trials,
     );
     all.extend(isa_trials(
         "dense_int8",
-        &[("portable", CpuIsa::Scalar), ("avx2", CpuIsa::Avx2)],
+        &[
+            ("portable", CpuIsa::Scalar),
+            ("avx2", CpuIsa::Avx2),
+            ("avx512", CpuIsa::Avx512Vnni),
+        ],
         int8_trials,
     ));
     all.push(Trial::test("dense_linear_matches_candle_f32", || {

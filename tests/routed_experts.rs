@@ -261,6 +261,13 @@ fn run(case: &Case, seed: u64, backend: Backend) {
                     );
                 }
             }
+            // Both SIMD paths sum the same exact integers per lane and scale them the same way
+            // (`i16` and `i8` activations alike): AVX-512 gives the AVX2 bits.
+            if isa == CpuIsa::Avx512Vnni && CpuIsa::Avx2.is_available() {
+                let avx2 = Int4Experts::with_isa(int4.pack().clone(), CpuIsa::Avx2);
+                let avx2 = to_vec(avx2.forward(&xs, &ids, &w).unwrap());
+                assert_eq!(got, avx2, "{shape}: AVX-512 and AVX2 differ");
+            }
         }
     }
 }

@@ -43,14 +43,54 @@ pub enum CpuIsa {
 }
 
 impl CpuIsa {
-    /// The best instruction set this CPU supports (checked at run time, once).
+    /// Every instruction set, best first.
+    pub const ALL: [CpuIsa; 3] = [CpuIsa::Avx512Vnni, CpuIsa::Avx2, CpuIsa::Scalar];
+
+    /// The name `QMOE_CPU_ISA` takes: `avx512`, `avx2` or `portable`.
+    pub fn name(self) -> &'static str {
+        match self {
+            CpuIsa::Avx512Vnni => "avx512",
+            CpuIsa::Avx2 => "avx2",
+            CpuIsa::Scalar => "portable",
+        }
+    }
+
+    /// The instruction set named `name` (see [`CpuIsa::name`]).
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|isa| isa.name() == name)
+    }
+
+    /// The best instruction set this CPU supports (checked at run time, once), or the one the
+    /// environment variable `QMOE_CPU_ISA` names (`avx512`, `avx2`, `portable`) when this CPU
+    /// can run it — to compare paths on one machine; an unknown or unsupported name is reported
+    /// on stderr and ignored.
     pub fn detect() -> Self {
         static ISA: std::sync::OnceLock<CpuIsa> = std::sync::OnceLock::new();
         *ISA.get_or_init(|| {
-            [CpuIsa::Avx512Vnni, CpuIsa::Avx2]
+            let best = Self::ALL
                 .into_iter()
                 .find(|isa| isa.is_available())
-                .unwrap_or(CpuIsa::Scalar)
+                .unwrap_or(CpuIsa::Scalar);
+            let Ok(wanted) = std::env::var("QMOE_CPU_ISA") else {
+                return best;
+            };
+            match Self::from_name(&wanted) {
+                Some(isa) if isa.is_available() => isa,
+                Some(_) => {
+                    eprintln!(
+                        "QMOE_CPU_ISA={wanted}: this CPU lacks it; using {}",
+                        best.name()
+                    );
+                    best
+                }
+                None => {
+                    eprintln!(
+                        "QMOE_CPU_ISA={wanted} is not one of avx512, avx2, portable; using {}",
+                        best.name()
+                    );
+                    best
+                }
+            }
         })
     }
 
@@ -375,230 +415,304 @@ mod x86 {
         acc
     }
 
-    /// One row times a block of `i16` activation rows. Whole runs of 8 groups are scaled
-    /// together: each group's exact sums are folded per token into one vector as they are
-    /// computed (`vphaddd` pairs, lane `j` = group `j`), then one conversion and one
-    /// multiply-add per token cover the 8 groups, with the 8 weight scales from one F16C
-    /// conversion. Remaining groups are scaled one by one. Either way a token's arithmetic does
-    /// not depend on the other tokens of the block, so its output is the same alone or batched.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; the slices must cover `shape` (checked).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn row_avx2<const TB: usize>(
-        shape: DotShape,
-        w: &[u8],
-        s: &[u8],
-        acts: &ActBlock<i16>,
-    ) -> [f32; TB] {
-        shape.check::<i16, TB>(w, s, acts);
-        match shape.chunks_per_group {
-            1 => row_avx2_groups::<TB, 1>(shape, w, s, acts),
-            2 => row_avx2_groups::<TB, 2>(shape, w, s, acts),
-            4 => row_avx2_groups::<TB, 4>(shape, w, s, acts),
-            8 => row_avx2_groups::<TB, 8>(shape, w, s, acts),
-            n => unreachable!("{n} chunks per group: group sizes are 32 to 256 weights"),
-        }
-    }
+    /// Defines `$row`, one row times a block of `i16` activation rows, and `$groups`, its body
+    /// for groups of `CPG` chunks, compiled for `$features` around the group sums `$sums`.
+    /// Whole runs of 8 groups are scaled together: each group's exact sums are folded per token
+    /// into one vector as they are computed (`vphaddd` pairs, lane `j` = group `j`), then one
+    /// conversion and one multiply-add per token cover the 8 groups, with the 8 weight scales
+    /// from one F16C conversion. Remaining groups are scaled one by one. Either way a token's
+    /// arithmetic does not depend on the other tokens of the block, so its output is the same
+    /// alone or batched; and as every `$sums` returns the same 8 exact integer lanes, every
+    /// instruction set gives the same bits.
+    macro_rules! row_i16 {
+        ($row:ident, $groups:ident, $sums:ident, $features:literal) => {
+            /// One row times a block of `i16` activation rows (see `row_i16!`).
+            ///
+            /// # Safety
+            /// The CPU must support the target features; the slices must cover `shape`
+            /// (checked).
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn $row<const TB: usize>(
+                shape: DotShape,
+                w: &[u8],
+                s: &[u8],
+                acts: &ActBlock<i16>,
+            ) -> [f32; TB] {
+                shape.check::<i16, TB>(w, s, acts);
+                match shape.chunks_per_group {
+                    1 => $groups::<TB, 1>(shape, w, s, acts),
+                    2 => $groups::<TB, 2>(shape, w, s, acts),
+                    4 => $groups::<TB, 4>(shape, w, s, acts),
+                    8 => $groups::<TB, 8>(shape, w, s, acts),
+                    n => unreachable!("{n} chunks per group: group sizes are 32 to 256 weights"),
+                }
+            }
 
-    /// [`row_avx2`] for groups of `CPG` chunks.
-    ///
-    /// # Safety
-    /// As [`row_avx2`], after `shape.check` passed and with `CPG = shape.chunks_per_group`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn row_avx2_groups<const TB: usize, const CPG: usize>(
-        shape: DotShape,
-        w: &[u8],
-        s: &[u8],
-        acts: &ActBlock<i16>,
-    ) -> [f32; TB] {
-        let (wp, x) = (w.as_ptr(), acts.q.as_ptr());
-        // Group `g`'s weights, activations and corrections.
-        let group = |g: usize| {
-            (
-                wp.add(g * CPG * CHUNK_BYTES),
-                x.add(g * CPG * TB * CHUNK_WEIGHTS),
-                &acts.corr[g * MAX_TOKEN_BLOCK..],
-            )
+            /// The row function for groups of `CPG` chunks.
+            ///
+            /// # Safety
+            /// As the row function, after `shape.check` passed and with
+            /// `CPG = shape.chunks_per_group`.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn $groups<const TB: usize, const CPG: usize>(
+                shape: DotShape,
+                w: &[u8],
+                s: &[u8],
+                acts: &ActBlock<i16>,
+            ) -> [f32; TB] {
+                let (wp, x) = (w.as_ptr(), acts.q.as_ptr());
+                // Group `g`'s weights, activations and corrections.
+                let group = |g: usize| {
+                    (
+                        wp.add(g * CPG * CHUNK_BYTES),
+                        x.add(g * CPG * TB * CHUNK_WEIGHTS),
+                        &acts.corr[g * MAX_TOKEN_BLOCK..],
+                    )
+                };
+                let mut facc = [_mm256_setzero_ps(); TB];
+                // Runs whose 8 groups all hold `CPG` chunks (only the last group can be short).
+                let full_groups = (shape.chunks / CPG).min(shape.groups);
+                let runs = full_groups / 8;
+                for run in 0..runs {
+                    let g0 = run * 8;
+                    // SAFETY (the whole run): `shape.check` proved that the run's chunks lie
+                    // inside `w` and every `q`, `s` holds its 8 scales and `row_scale` 8 per
+                    // token from `g0`.
+                    let mut sums = [[_mm256_setzero_si256(); 8]; TB];
+                    // `sums` is token-major, the loop group-major: the index transposes. The
+                    // trip count is opaque so that the loop stays rolled: unrolled, the 8
+                    // groups' loads are hoisted and their registers spilled (measured 2–3%
+                    // slower at T = 1 on AVX2).
+                    #[allow(clippy::needless_range_loop)]
+                    for j in 0..std::hint::black_box(8) {
+                        let (wg, xg, corr) = group(g0 + j);
+                        let acc = $sums::<TB>(wg, xg, corr, CPG);
+                        for t in 0..TB {
+                            sums[t][j] = acc[t];
+                        }
+                    }
+                    let ws =
+                        _mm256_cvtph_ps(_mm_loadu_si128(s.as_ptr().add(2 * g0) as *const __m128i));
+                    for t in 0..TB {
+                        let totals = hsum_lanes(sums[t]);
+                        let xs =
+                            _mm256_loadu_ps(acts.row_scale.as_ptr().add(t * shape.groups + g0));
+                        let totals = _mm256_cvtepi32_ps(totals);
+                        facc[t] = _mm256_fmadd_ps(totals, _mm256_mul_ps(ws, xs), facc[t]);
+                    }
+                }
+                for gi in runs * 8..shape.groups {
+                    let (wg, xg, corr) = group(gi);
+                    // SAFETY: as above; only the last group can be short.
+                    let acc = if (gi + 1) * CPG <= shape.chunks {
+                        $sums::<TB>(wg, xg, corr, CPG)
+                    } else {
+                        $sums::<TB>(wg, xg, corr, shape.chunks - gi * CPG)
+                    };
+                    let sw = scale_f16c(s, gi);
+                    for t in 0..TB {
+                        let f = _mm256_set1_ps(sw * acts.scale[gi * MAX_TOKEN_BLOCK + t]);
+                        facc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t]), f, facc[t]);
+                    }
+                }
+                std::array::from_fn(|t| hsum256(facc[t]))
+            }
         };
-        let mut facc = [_mm256_setzero_ps(); TB];
-        // Runs whose 8 groups all hold `CPG` chunks (only the last group can be short).
-        let full_groups = (shape.chunks / CPG).min(shape.groups);
-        let runs = full_groups / 8;
-        for run in 0..runs {
-            let g0 = run * 8;
-            // SAFETY (the whole run): `shape.check` proved that the run's chunks lie inside `w`
-            // and every `q`, `s` holds its 8 scales and `row_scale` 8 per token from `g0`.
-            let mut sums = [[_mm256_setzero_si256(); 8]; TB];
-            // `sums` is token-major, the loop group-major: the index transposes. The trip count
-            // is opaque so that the loop stays rolled: unrolled, the 8 groups' loads are hoisted
-            // and their registers spilled (measured 2–3% slower at T = 1).
-            #[allow(clippy::needless_range_loop)]
-            for j in 0..std::hint::black_box(8) {
-                let (wg, xg, corr) = group(g0 + j);
-                let acc = group_sums_avx2::<TB>(wg, xg, corr, CPG);
-                for t in 0..TB {
-                    sums[t][j] = acc[t];
-                }
-            }
-            let ws = _mm256_cvtph_ps(_mm_loadu_si128(s.as_ptr().add(2 * g0) as *const __m128i));
-            for t in 0..TB {
-                let totals = hsum_lanes(sums[t]);
-                let xs = _mm256_loadu_ps(acts.row_scale.as_ptr().add(t * shape.groups + g0));
-                let totals = _mm256_cvtepi32_ps(totals);
-                facc[t] = _mm256_fmadd_ps(totals, _mm256_mul_ps(ws, xs), facc[t]);
-            }
-        }
-        for gi in runs * 8..shape.groups {
-            let (wg, xg, corr) = group(gi);
-            // SAFETY: as above; only the last group can be short.
-            let acc = if (gi + 1) * CPG <= shape.chunks {
-                group_sums_avx2::<TB>(wg, xg, corr, CPG)
-            } else {
-                group_sums_avx2::<TB>(wg, xg, corr, shape.chunks - gi * CPG)
-            };
-            let sw = scale_f16c(s, gi);
-            for t in 0..TB {
-                let f = _mm256_set1_ps(sw * acts.scale[gi * MAX_TOKEN_BLOCK + t]);
-                facc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t]), f, facc[t]);
-            }
-        }
-        std::array::from_fn(|t| hsum256(facc[t]))
     }
+    row_i16!(row_avx2, row_avx2_groups, group_sums_avx2, "avx2,fma,f16c");
+    row_i16!(
+        row_avx512,
+        row_avx512_groups,
+        group_sums_avx512,
+        "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
+    );
 
-    /// [`row_avx2`] for `i8` activations: chunk `c`'s 32 nibbles as bytes (`[low nibbles |
-    /// high nibbles]`, the activations' lane order) times the activations with `vpmaddubsw`,
-    /// summed in `i16` over the group (at most 8 chunks of at most 2 · 15 · 127 per lane) and
-    /// widened to `i32` once per group.
+    /// Chunk `c`'s 32 nibbles as bytes, `[low nibbles | high nibbles]` (the activations' lane
+    /// order): the 16 bytes in both 128-bit halves (a load), the high half's 64-bit lanes
+    /// shifted right by 4 (`vpsrlvq`, which moves each byte's high nibble down) and one AND.
     ///
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; the slices must cover `shape` (checked).
+    /// Chunk `c` must lie inside the row `w` points to.
     #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn row_a8_avx2<const TB: usize>(
-        shape: DotShape,
-        w: &[u8],
-        s: &[u8],
-        acts: &ActBlock<i8>,
-    ) -> [f32; TB] {
-        shape.check::<i8, TB>(w, s, acts);
-        assert!(
-            shape.chunks_per_group <= 8,
-            "i16 sums hold at most 8 chunks"
-        );
-        let (wp, x) = (w.as_ptr(), acts.q.as_ptr());
-        let (mask, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
-        let mut facc = _mm256_setzero_ps();
-        for gi in 0..shape.groups {
-            let c0 = gi * shape.chunks_per_group;
-            let c1 = (c0 + shape.chunks_per_group).min(shape.chunks);
-            let mut acc = [_mm256_setzero_si256(); TB];
-            for c in c0..c1 {
-                if c % 4 == 0 {
-                    // Rows of a block are contiguous: fetch ahead across row ends (never faults).
-                    _mm_prefetch::<_MM_HINT_T0>(
-                        wp.wrapping_add(c * CHUNK_BYTES + PREFETCH_BYTES) as *const i8
-                    );
-                }
-                // SAFETY: `shape.check` proved chunk `c` lies inside `w` and every `q`.
-                let b = _mm_loadu_si128(wp.add(c * CHUNK_BYTES) as *const __m128i);
-                let wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), mask);
-                for (t, a) in acc.iter_mut().enumerate() {
-                    let xq = _mm256_loadu_si256(x.add((c * TB + t) * CHUNK_WEIGHTS) as *const _);
-                    *a = _mm256_add_epi16(*a, _mm256_maddubs_epi16(wq, xq));
-                }
-            }
-            // One exact i32 total per token (lane t), then one scale for all of them.
-            let totals = hsum_lanes(std::array::from_fn(|t| {
-                if t < TB {
-                    _mm256_madd_epi16(acc[t], ones)
-                } else {
-                    _mm256_setzero_si256()
-                }
-            }));
-            let at = gi * MAX_TOKEN_BLOCK;
-            // SAFETY: `shape.check` proved `scale` and `corr` hold 8 lanes per group.
-            let corr = _mm256_loadu_si256(acts.corr.as_ptr().add(at) as *const __m256i);
-            let f = _mm256_mul_ps(
-                _mm256_set1_ps(scale_f16c(s, gi)),
-                _mm256_loadu_ps(acts.scale.as_ptr().add(at)),
-            );
-            let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(totals, corr));
-            facc = _mm256_fmadd_ps(sum, f, facc);
-        }
-        let mut out = [0f32; MAX_TOKEN_BLOCK];
-        _mm256_storeu_ps(out.as_mut_ptr(), facc);
-        std::array::from_fn(|t| out[t])
+    #[target_feature(enable = "avx2")]
+    unsafe fn nibble_bytes_avx2(w: *const u8, c: usize) -> __m256i {
+        let b =
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(w.add(c * CHUNK_BYTES) as *const __m128i));
+        let v = _mm256_srlv_epi64(b, _mm256_setr_epi64x(0, 0, 4, 4));
+        _mm256_and_si256(v, _mm256_set1_epi8(0x0f))
     }
 
-    /// Chunk `c` as 32 × i16: `[low nibbles of bytes 0..16 | high nibbles of bytes 0..16]`, the
-    /// lane order of the activations.
+    /// AVX2: nibble × `i8` activation pairs with `vpmaddubsw` (at most 2 · 15 · 127), summed in
+    /// `i16` over the group (at most 8 chunks: ≤ 30 480, no saturation).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn a8_madd_avx2(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
+        _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x))
+    }
+
+    /// AVX2: a group's `i16` pair sums widened to 8 × `i32`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn a8_widen_avx2(acc: __m256i) -> __m256i {
+        _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
+    }
+
+    /// AVX-512 VNNI: nibble × `i8` activation quadruples summed straight into `i32` by one
+    /// `vpdpbusd` (the same products and lanes as [`a8_madd_avx2`] then [`a8_widen_avx2`]).
+    #[inline]
+    #[target_feature(enable = "avx512vnni,avx512vl")]
+    fn a8_madd_vnni(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(acc, w, x)
+    }
+
+    /// AVX-512 VNNI: the sums are already `i32`.
+    #[inline]
+    fn a8_widen_vnni(acc: __m256i) -> __m256i {
+        acc
+    }
+
+    /// Defines `$row`, one row times a block of `i8` activation rows compiled for `$features`:
+    /// chunk `c`'s nibbles as bytes ([`nibble_bytes_avx2`]) times the activations, accumulated
+    /// per token by `$madd` and widened to `i32` once per group by `$widen`; then one exact
+    /// total per token (lane `t`) and one scale for all of them. Every instruction set sums the
+    /// same integers: the same bits.
+    macro_rules! row_i8 {
+        ($row:ident, $madd:ident, $widen:ident, $features:literal) => {
+            /// One row times a block of `i8` activation rows (see `row_i8!`).
+            ///
+            /// # Safety
+            /// The CPU must support the target features; the slices must cover `shape`
+            /// (checked).
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn $row<const TB: usize>(
+                shape: DotShape,
+                w: &[u8],
+                s: &[u8],
+                acts: &ActBlock<i8>,
+            ) -> [f32; TB] {
+                shape.check::<i8, TB>(w, s, acts);
+                assert!(
+                    shape.chunks_per_group <= 8,
+                    "i16 sums hold at most 8 chunks"
+                );
+                let (wp, x) = (w.as_ptr(), acts.q.as_ptr());
+                let mut facc = _mm256_setzero_ps();
+                for gi in 0..shape.groups {
+                    let c0 = gi * shape.chunks_per_group;
+                    let c1 = (c0 + shape.chunks_per_group).min(shape.chunks);
+                    let mut acc = [_mm256_setzero_si256(); TB];
+                    for c in c0..c1 {
+                        if c % 4 == 0 {
+                            // Rows of a block are contiguous: fetch ahead across row ends
+                            // (never faults).
+                            _mm_prefetch::<_MM_HINT_T0>(
+                                wp.wrapping_add(c * CHUNK_BYTES + PREFETCH_BYTES) as *const i8,
+                            );
+                        }
+                        // SAFETY: `shape.check` proved chunk `c` lies inside `w` and every `q`.
+                        let wq = nibble_bytes_avx2(wp, c);
+                        for (t, a) in acc.iter_mut().enumerate() {
+                            let xq =
+                                _mm256_loadu_si256(x.add((c * TB + t) * CHUNK_WEIGHTS) as *const _);
+                            *a = $madd(*a, wq, xq);
+                        }
+                    }
+                    // One exact i32 total per token (lane t), then one scale for all of them.
+                    let totals = hsum_lanes(std::array::from_fn(|t| {
+                        if t < TB {
+                            $widen(acc[t])
+                        } else {
+                            _mm256_setzero_si256()
+                        }
+                    }));
+                    let at = gi * MAX_TOKEN_BLOCK;
+                    // SAFETY: `shape.check` proved `scale` and `corr` hold 8 lanes per group.
+                    let corr = _mm256_loadu_si256(acts.corr.as_ptr().add(at) as *const __m256i);
+                    let f = _mm256_mul_ps(
+                        _mm256_set1_ps(scale_f16c(s, gi)),
+                        _mm256_loadu_ps(acts.scale.as_ptr().add(at)),
+                    );
+                    let sum = _mm256_cvtepi32_ps(_mm256_add_epi32(totals, corr));
+                    facc = _mm256_fmadd_ps(sum, f, facc);
+                }
+                let mut out = [0f32; MAX_TOKEN_BLOCK];
+                _mm256_storeu_ps(out.as_mut_ptr(), facc);
+                std::array::from_fn(|t| out[t])
+            }
+        };
+    }
+    row_i8!(row_a8_avx2, a8_madd_avx2, a8_widen_avx2, "avx2,fma,f16c");
+    row_i8!(
+        row_a8_avx512,
+        a8_madd_vnni,
+        a8_widen_vnni,
+        "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
+    );
+
+    /// Chunk `c` as 32 × i16 in the activations' lane order, lanes 0..16 the low nibbles of
+    /// bytes 0..16 and lanes 16..32 the high nibbles times 16: the 16 bytes broadcast to the
+    /// four 128-bit lanes (a load, no shuffle), one in-lane `vpshufb` that zero-extends bytes
+    /// 0..8 into 128-bit lanes 0 and 2 and bytes 8..16 into lanes 1 and 3, and one AND that
+    /// keeps `0x0f` of the low half and `0xf0` of the high half. No shift and one shuffle (the
+    /// cross-lane `vpmovzxbw` needs a shift and an insert besides); the ×16 is undone exactly
+    /// once per group in [`group_sums_avx512`].
     ///
     /// # Safety
     /// Chunk `c` must lie inside the row `w` points to.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
     unsafe fn decode_avx512(w: *const u8, c: usize) -> __m512i {
-        let b = _mm_loadu_si128(w.add(c * CHUNK_BYTES) as *const __m128i);
-        let both = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
-        _mm512_cvtepu8_epi16(_mm256_and_si256(both, _mm256_set1_epi8(0x0f)))
+        let b = _mm512_broadcast_i32x4(_mm_loadu_si128(w.add(c * CHUNK_BYTES) as *const __m128i));
+        let spread = _mm256_setr_epi8(
+            0, -1, 1, -1, 2, -1, 3, -1, 4, -1, 5, -1, 6, -1, 7, -1, //
+            8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15, -1,
+        );
+        let spread = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(spread), spread);
+        let mask = _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_set1_epi16(0x0f)),
+            _mm256_set1_epi16(0xf0),
+        );
+        _mm512_and_si512(_mm512_shuffle_epi8(b, spread), mask)
     }
 
+    /// [`group_sums_avx2`] on AVX-512 VNNI: one `vpdpwssd` per chunk and token, then the
+    /// high half (high nibbles, ×16: exact multiples of 16, at most 8 · 2 · 16 · 15 · 32767 <
+    /// 2³¹ per lane) shifted back and added to the low half. Lane `j` of the result then sums
+    /// the same products as lane `j` of [`group_sums_avx2`]: the same integers.
+    ///
     /// # Safety
-    /// The CPU must support AVX-512 F/BW/VL/VNNI and F16C; the slices must cover `shape`
-    /// (checked).
+    /// The CPU must support AVX-512 F/BW/VNNI; `wp` must point at the group's `n` weight
+    /// chunks and `xp` at its `n · TB` activation chunks.
     #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn row_avx512<const TB: usize>(
-        shape: DotShape,
-        w: &[u8],
-        s: &[u8],
-        acts: &ActBlock<i16>,
-    ) -> [f32; TB] {
-        shape.check::<i16, TB>(w, s, acts);
-        let (wp, x) = (w.as_ptr(), acts.q.as_ptr());
-        let xload = |t: usize, c: usize| {
-            _mm512_loadu_si512(x.add((c * TB + t) * CHUNK_WEIGHTS) as *const _)
-        };
-        let mut facc = [_mm512_setzero_ps(); TB];
-        for gi in 0..shape.groups {
-            let c0 = gi * shape.chunks_per_group;
-            let c1 = (c0 + shape.chunks_per_group).min(shape.chunks);
-            // Two accumulator chains (even and odd chunks) hide `vpdpwssd`'s latency.
-            let mut even: [__m512i; TB] = std::array::from_fn(|t| {
-                _mm512_zextsi128_si512(_mm_cvtsi32_si128(acts.corr[gi * MAX_TOKEN_BLOCK + t]))
-            });
-            let mut odd = [_mm512_setzero_si512(); TB];
-            let mut c = c0;
-            // SAFETY (both loops): `shape.check` proved chunks `c0..c1` lie inside `w` and every `q`.
-            while c + 1 < c1 {
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2")]
+    unsafe fn group_sums_avx512<const TB: usize>(
+        wp: *const u8,
+        xp: *const i16,
+        corr: &[i32],
+        n: usize,
+    ) -> [__m256i; TB] {
+        let mut acc: [__m512i; TB] =
+            std::array::from_fn(|t| _mm512_zextsi128_si512(_mm_cvtsi32_si128(corr[t])));
+        for c in 0..n {
+            if (c * CHUNK_BYTES).is_multiple_of(64) {
                 // Rows of a block are contiguous: fetch ahead across row ends (never faults).
                 _mm_prefetch::<_MM_HINT_T0>(
                     wp.wrapping_add(c * CHUNK_BYTES + PREFETCH_BYTES) as *const i8
                 );
-                let (w0, w1) = (decode_avx512(wp, c), decode_avx512(wp, c + 1));
-                for t in 0..TB {
-                    even[t] = _mm512_dpwssd_epi32(even[t], w0, xload(t, c));
-                    odd[t] = _mm512_dpwssd_epi32(odd[t], w1, xload(t, c + 1));
-                }
-                c += 2;
             }
-            if c < c1 {
-                let w0 = decode_avx512(wp, c);
-                for (t, e) in even.iter_mut().enumerate() {
-                    *e = _mm512_dpwssd_epi32(*e, w0, xload(t, c));
-                }
-            }
-            let sw = scale_f16c(s, gi);
-            for t in 0..TB {
-                let sum = _mm512_cvtepi32_ps(_mm512_add_epi32(even[t], odd[t]));
-                let f = _mm512_set1_ps(sw * acts.scale[gi * MAX_TOKEN_BLOCK + t]);
-                facc[t] = _mm512_fmadd_ps(sum, f, facc[t]);
+            let wq = decode_avx512(wp, c);
+            for (t, a) in acc.iter_mut().enumerate() {
+                let x = _mm512_loadu_si512(xp.add((c * TB + t) * CHUNK_WEIGHTS) as *const _);
+                *a = _mm512_dpwssd_epi32(*a, wq, x);
             }
         }
-        std::array::from_fn(|t| _mm512_reduce_add_ps(facc[t]))
+        std::array::from_fn(|t| {
+            let high = _mm512_extracti64x4_epi64::<1>(acc[t]);
+            _mm256_add_epi32(_mm512_castsi512_si256(acc[t]), _mm256_srai_epi32::<4>(high))
+        })
     }
 
     /// Defines `$name`: [`ActInt::block`] over rows computed by `$row` for `$act` activations,
@@ -632,6 +746,12 @@ mod x86 {
         block_avx512,
         row_avx512,
         i16,
+        "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
+    );
+    row_block!(
+        block_a8_avx512,
+        row_a8_avx512,
+        i8,
         "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
     );
 }
@@ -704,12 +824,12 @@ impl ActInt for i8 {
         out: &mut [f32],
     ) {
         match isa {
-            // SAFETY: `routed_forward` checked that `isa` is available on this CPU; AVX-512
-            // VNNI CPUs have AVX2 (their `vpdpbusd` variant is not written yet).
+            // SAFETY: `routed_forward` checked that `isa` is available on this CPU.
             #[cfg(target_arch = "x86_64")]
-            CpuIsa::Avx2 | CpuIsa::Avx512Vnni => unsafe {
-                x86::block_a8_avx2::<TB>(shape, m, rows, acts, out)
-            },
+            CpuIsa::Avx2 => unsafe { x86::block_a8_avx2::<TB>(shape, m, rows, acts, out) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            CpuIsa::Avx512Vnni => unsafe { x86::block_a8_avx512::<TB>(shape, m, rows, acts, out) },
             _ => block_scalar::<_, TB>(shape, m, rows, acts, out),
         }
     }

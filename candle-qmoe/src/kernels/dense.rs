@@ -7,7 +7,8 @@
 //!
 //! A tile of `R` weight rows × `T` activation rows is accumulated in registers: on AVX2 + FMA
 //! (`R`, `T`) = (8, 1) at decode, so that eight independent FMA chains hide the latency, and
-//! (4, 3) for several tokens, so that every widened weight vector feeds three FMAs. Rayon splits
+//! (4, 3) for several tokens, so that every widened weight vector feeds three FMAs; on AVX-512F
+//! (8, 1) and (4, 6) with twice the lanes. Rayon splits
 //! the output rows into blocks; every output element is one dot product in a fixed order, so the
 //! result does not depend on the thread count.
 
@@ -49,7 +50,10 @@ fn rows_block(isa: CpuIsa, x: &[f32], m: usize, k: usize, w: &[u16], out: &mut [
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `bf16_matmul` checked that the CPU supports `isa` (AVX2 + FMA at least).
-        CpuIsa::Avx2 | CpuIsa::Avx512Vnni => unsafe { x86::rows_block(x, m, k, w, out) },
+        CpuIsa::Avx2 => unsafe { x86::rows_block(x, m, k, w, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above (AVX-512F at least).
+        CpuIsa::Avx512Vnni => unsafe { x86_512::rows_block(x, m, k, w, out) },
         _ => rows_block_portable(x, m, k, w, out),
     }
 }
@@ -79,126 +83,203 @@ fn rows_block_portable(x: &[f32], m: usize, k: usize, w: &[u16], out: &mut [f32]
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-mod x86 {
-    use std::arch::x86_64::*;
+/// Defines module `$m`: `rows_block` for one x86 vector width, compiled for `$features`, from
+/// the vector operations `$ops` defines on the F32 vector `$V` of `$L` lanes: `zero`, `load_x`
+/// (F32), `load_w` (`$L` BF16 weights widened exactly by a 16-bit shift), `fma` and `hsum`.
+/// Decode tiles are `$R1` rows × 1 token, several-token tiles `$RM` rows × `$TM` tokens (as many
+/// accumulators as the registers hold).
+macro_rules! dense_simd {
+    ($m:ident, $features:literal, $V:ty, $L:literal, ($R1:literal, 1), ($RM:literal, $TM:literal),
+     { $($ops:item)* }) => {
+        #[cfg(target_arch = "x86_64")]
+        mod $m {
+            use std::arch::x86_64::*;
 
-    use super::widen;
-    use crate::kernels::x86_simd::hsum256;
+            use super::widen;
 
-    /// Eight BF16 weights at `p` widened to F32.
-    ///
+            $($ops)*
+
+            /// `out[r · m + t] = w_r · x_t` for `R` weight rows starting at `w` and `T`
+            /// activation rows starting at `x` (row strides `k`).
+            ///
+            /// # Safety
+            /// `R` rows of `k` elements at `w` and `T` rows at `x` must be readable; the CPU
+            /// must support the target features.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn tile<const R: usize, const T: usize>(
+                w: *const u16,
+                x: *const f32,
+                k: usize,
+            ) -> [[f32; T]; R] {
+                let mut acc: [[$V; T]; R] = [[zero(); T]; R];
+                let body = k - k % $L;
+                let mut c = 0;
+                while c < body {
+                    let xv: [$V; T] = std::array::from_fn(|t| load_x(x.add(t * k + c)));
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let wv = load_w(w.add(r * k + c));
+                        for (t, at) in a.iter_mut().enumerate() {
+                            *at = fma(wv, xv[t], *at);
+                        }
+                    }
+                    c += $L;
+                }
+                std::array::from_fn(|r| {
+                    std::array::from_fn(|t| {
+                        let tail: f32 = (body..k)
+                            .map(|c| widen(*w.add(r * k + c)) * *x.add(t * k + c))
+                            .sum();
+                        hsum(acc[r][t]) + tail
+                    })
+                })
+            }
+
+            /// Rows `r0 .. r0 + R` of the block against every activation row, in tiles of `T`
+            /// tokens, then one by one for the remainder.
+            ///
+            /// # Safety
+            /// As [`tile`], for rows `r0 .. r0 + R` of `w` and all `m` rows of `x`.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn row_group<const R: usize, const T: usize>(
+                x: &[f32],
+                m: usize,
+                k: usize,
+                w: &[u16],
+                r0: usize,
+                out: &mut [f32],
+            ) {
+                let wp = w.as_ptr().add(r0 * k);
+                let mut t0 = 0;
+                let mut put = |t0: usize, vals: &[f32], r: usize| {
+                    out[(r0 + r) * m + t0..(r0 + r) * m + t0 + vals.len()].copy_from_slice(vals);
+                };
+                while t0 + T <= m {
+                    for (r, v) in tile::<R, T>(wp, x.as_ptr().add(t0 * k), k)
+                        .iter()
+                        .enumerate()
+                    {
+                        put(t0, v, r);
+                    }
+                    t0 += T;
+                }
+                while t0 < m {
+                    for (r, v) in tile::<R, 1>(wp, x.as_ptr().add(t0 * k), k)
+                        .iter()
+                        .enumerate()
+                    {
+                        put(t0, v, r);
+                    }
+                    t0 += 1;
+                }
+            }
+
+            /// `rows_block_portable` on this vector width.
+            ///
+            /// # Safety
+            /// The CPU must support the target features; `x` is `[m, k]`, `w` `[rows, k]`,
+            /// `out` `[rows, m]`.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn rows_block(
+                x: &[f32],
+                m: usize,
+                k: usize,
+                w: &[u16],
+                out: &mut [f32],
+            ) {
+                assert!(x.len() >= m * k && out.len() * k == w.len() * m);
+                let rows = out.len() / m;
+                let mut r = 0;
+                if m == 1 {
+                    while r + $R1 <= rows {
+                        row_group::<$R1, 1>(x, m, k, w, r, out);
+                        r += $R1;
+                    }
+                } else {
+                    while r + $RM <= rows {
+                        row_group::<$RM, $TM>(x, m, k, w, r, out);
+                        r += $RM;
+                    }
+                }
+                while r < rows {
+                    row_group::<1, $TM>(x, m, k, w, r, out);
+                    r += 1;
+                }
+            }
+        }
+    };
+}
+
+// AVX2 + FMA: (8, 1) at decode, so that eight independent FMA chains hide the latency, and
+// (4, 3) for several tokens, so that every widened weight vector feeds three FMAs (16
+// registers).
+dense_simd!(x86, "avx2,fma", __m256, 8, (8, 1), (4, 3), {
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn zero() -> __m256 {
+        _mm256_setzero_ps()
+    }
     /// # Safety
     /// `p .. p + 8` must be readable.
     #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn load_bf16x8(p: *const u16) -> __m256 {
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn load_x(p: *const f32) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+    /// # Safety
+    /// `p .. p + 8` must be readable.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn load_w(p: *const u16) -> __m256 {
         let h = _mm_loadu_si128(p as *const __m128i);
         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
     }
-
-    /// `out[r · m + t] = w_r · x_t` for `R` weight rows starting at `w` and `T` activation rows
-    /// starting at `x` (row strides `k`).
-    ///
-    /// # Safety
-    /// `R` rows of `k` elements at `w` and `T` rows at `x` must be readable; the CPU must
-    /// support AVX2 and FMA.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn tile<const R: usize, const T: usize>(
-        w: *const u16,
-        x: *const f32,
-        k: usize,
-    ) -> [[f32; T]; R] {
-        let mut acc = [[_mm256_setzero_ps(); T]; R];
-        let body = k - k % 8;
-        let mut c = 0;
-        while c < body {
-            let xv: [__m256; T] = std::array::from_fn(|t| _mm256_loadu_ps(x.add(t * k + c)));
-            for (r, a) in acc.iter_mut().enumerate() {
-                let wv = load_bf16x8(w.add(r * k + c));
-                for (t, at) in a.iter_mut().enumerate() {
-                    *at = _mm256_fmadd_ps(wv, xv[t], *at);
-                }
-            }
-            c += 8;
-        }
-        std::array::from_fn(|r| {
-            std::array::from_fn(|t| {
-                let tail: f32 = (body..k)
-                    .map(|c| widen(*w.add(r * k + c)) * *x.add(t * k + c))
-                    .sum();
-                hsum256(acc[r][t]) + tail
-            })
-        })
+    fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
+        _mm256_fmadd_ps(a, b, c)
     }
-
-    /// Rows `r0 .. r0 + R` of the block against every activation row, in tiles of `T` tokens
-    /// (then 2, then 1 for the remainder).
-    ///
-    /// # Safety
-    /// As [`tile`], for rows `r0 .. r0 + R` of `w` and all `m` rows of `x`.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn row_group<const R: usize, const T: usize>(
-        x: &[f32],
-        m: usize,
-        k: usize,
-        w: &[u16],
-        r0: usize,
-        out: &mut [f32],
-    ) {
-        let wp = w.as_ptr().add(r0 * k);
-        let mut t0 = 0;
-        let mut put = |t0: usize, vals: &[f32], r: usize| {
-            out[(r0 + r) * m + t0..(r0 + r) * m + t0 + vals.len()].copy_from_slice(vals);
-        };
-        while t0 + T <= m {
-            for (r, v) in tile::<R, T>(wp, x.as_ptr().add(t0 * k), k)
-                .iter()
-                .enumerate()
-            {
-                put(t0, v, r);
-            }
-            t0 += T;
-        }
-        while t0 < m {
-            for (r, v) in tile::<R, 1>(wp, x.as_ptr().add(t0 * k), k)
-                .iter()
-                .enumerate()
-            {
-                put(t0, v, r);
-            }
-            t0 += 1;
-        }
+    fn hsum(v: __m256) -> f32 {
+        crate::kernels::x86_simd::hsum256(v)
     }
-
-    /// AVX2 + FMA version of `rows_block_portable`.
-    ///
+});
+// AVX-512F: twice the lanes and registers: (8, 1) at decode and (4, 6) for several tokens
+// (24 accumulators), so that every widened weight vector feeds six FMAs.
+dense_simd!(x86_512, "avx512f,avx2,fma", __m512, 16, (8, 1), (4, 6), {
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn zero() -> __m512 {
+        _mm512_setzero_ps()
+    }
     /// # Safety
-    /// The CPU must support AVX2 and FMA; `x` is `[m, k]`, `w` `[rows, k]`, `out` `[rows, m]`.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn rows_block(x: &[f32], m: usize, k: usize, w: &[u16], out: &mut [f32]) {
-        assert!(x.len() >= m * k && out.len() * k == w.len() * m);
-        let rows = out.len() / m;
-        let mut r = 0;
-        if m == 1 {
-            while r + 8 <= rows {
-                row_group::<8, 1>(x, m, k, w, r, out);
-                r += 8;
-            }
-        } else {
-            while r + 4 <= rows {
-                row_group::<4, 3>(x, m, k, w, r, out);
-                r += 4;
-            }
-        }
-        while r < rows {
-            row_group::<1, 3>(x, m, k, w, r, out);
-            r += 1;
-        }
+    /// `p .. p + 16` must be readable.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load_x(p: *const f32) -> __m512 {
+        _mm512_loadu_ps(p)
     }
-}
+    /// # Safety
+    /// `p .. p + 16` must be readable.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load_w(p: *const u16) -> __m512 {
+        let h = _mm256_loadu_si256(p as *const __m256i);
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
+        _mm512_fmadd_ps(a, b, c)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn hsum(v: __m512) -> f32 {
+        _mm512_reduce_add_ps(v)
+    }
+});
 
 /// Columns per INT8 scale (as GGML's Q8_0): 8.5 bits per weight with the FP16 scale.
 pub const INT8_GROUP: usize = 32;
@@ -365,7 +446,10 @@ fn int8_dots(isa: CpuIsa, wq: &[i8], ws: &[half::f16], rows: &[(&[i8], &[f32])],
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `int8_matmul` checked that the CPU supports `isa` (AVX2 at least).
-        CpuIsa::Avx2 | CpuIsa::Avx512Vnni => unsafe { x86_int8::dots(wq, ws, rows, out) },
+        CpuIsa::Avx2 => unsafe { x86_int8::dots_avx2(wq, ws, rows, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above (AVX-512 VNNI).
+        CpuIsa::Avx512Vnni => unsafe { x86_int8::dots_vnni(wq, ws, rows, out) },
         _ => {
             for ((xq, xs), y) in rows.iter().zip(out) {
                 *y = wq
@@ -390,62 +474,94 @@ mod x86_int8 {
 
     use super::INT8_GROUP;
 
-    /// AVX2 `int8_dots`: `vpmaddubsw` on `|w|` and `x` with `w`'s sign (products of two values
-    /// in `[-127, 127]` pair-summed stay within i16), `vpmaddwd` by ones to i32. Runs of 8
-    /// groups are scaled together: the 8 exact group sums gathered into one vector (lane `j` =
-    /// group `j`), times the 8 weight scales (one F16C conversion) and the row's 8 activation
-    /// scales, one FMA; the groups after the last run one FMA each. Every row takes the same
-    /// steps whatever the number of rows, so a token's output does not depend on its batch.
+    /// Group `g`'s eight partial i32 sums of `w · x` on AVX2: `vpmaddubsw` on `|w|` and `x` with
+    /// `w`'s sign (products of two values in `[-127, 127]` pair-summed stay within i16), then
+    /// `vpmaddwd` by ones to i32.
     ///
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; the slices hold whole groups.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dots(
-        wq: &[i8],
-        ws: &[half::f16],
-        rows: &[(&[i8], &[f32])],
-        out: &mut [f32],
-    ) {
-        let groups = ws.len();
-        assert!(wq.len() >= groups * INT8_GROUP && rows.len() <= out.len() && rows.len() <= 4);
-        for (xq, xs) in rows {
-            assert!(xq.len() >= groups * INT8_GROUP && xs.len() >= groups);
-        }
-        /// Group `g`'s eight partial i32 sums of `w · x`.
-        ///
-        /// # Safety
-        /// AVX2; group `g` lies inside both rows.
-        #[inline]
-        #[target_feature(enable = "avx2")]
-        unsafe fn group_sum(w: *const i8, x: *const i8, g: usize) -> __m256i {
-            let w = _mm256_loadu_si256(w.add(g * INT8_GROUP) as *const __m256i);
-            let x = _mm256_loadu_si256(x.add(g * INT8_GROUP) as *const __m256i);
-            let prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-            _mm256_madd_epi16(prod, _mm256_set1_epi16(1))
-        }
-        // SAFETY (all loads): the asserts above keep every group inside `wq`, `ws`, `xq`, `xs`.
-        let wp = wq.as_ptr();
-        let runs = groups / 8;
-        let mut acc = [_mm256_setzero_ps(); 4];
-        for (a, (xq, xs)) in acc.iter_mut().zip(rows) {
-            for run in 0..runs {
-                let g0 = run * 8;
-                let mut sums = [_mm256_setzero_si256(); 8];
-                for (j, sum) in sums.iter_mut().enumerate() {
-                    *sum = group_sum(wp, xq.as_ptr(), g0 + j);
-                }
-                let sw = _mm256_cvtph_ps(_mm_loadu_si128(ws.as_ptr().add(g0) as *const __m128i));
-                let scale = _mm256_mul_ps(sw, _mm256_loadu_ps(xs.as_ptr().add(g0)));
-                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum_lanes(sums)), scale, *a);
-            }
-            for g in runs * 8..groups {
-                let sw = f16_bits_to_f32(ws[g].to_bits());
-                let sum = _mm256_cvtepi32_ps(group_sum(wp, xq.as_ptr(), g));
-                *a = _mm256_fmadd_ps(sum, _mm256_set1_ps(sw * xs[g]), *a);
-            }
-        }
-        for (y, v) in out.iter_mut().zip(&acc[..rows.len()]) {
-            *y = hsum256(*v);
-        }
+    /// AVX2; group `g` lies inside both rows.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn group_sum_avx2(w: *const i8, x: *const i8, g: usize) -> __m256i {
+        let w = _mm256_loadu_si256(w.add(g * INT8_GROUP) as *const __m256i);
+        let x = _mm256_loadu_si256(x.add(g * INT8_GROUP) as *const __m256i);
+        let prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+        _mm256_madd_epi16(prod, _mm256_set1_epi16(1))
     }
+
+    /// [`group_sum_avx2`] on AVX-512 VNNI: `|w|` times `x` with `w`'s sign summed by fours
+    /// straight into i32 by one `vpdpbusd`; the same integers in the same lanes.
+    ///
+    /// # Safety
+    /// AVX-512 VNNI + VL; group `g` lies inside both rows.
+    #[inline]
+    #[target_feature(enable = "avx512vnni,avx512vl,avx2")]
+    unsafe fn group_sum_vnni(w: *const i8, x: *const i8, g: usize) -> __m256i {
+        let w = _mm256_loadu_si256(w.add(g * INT8_GROUP) as *const __m256i);
+        let x = _mm256_loadu_si256(x.add(g * INT8_GROUP) as *const __m256i);
+        let abs = _mm256_sign_epi8(w, w);
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), abs, _mm256_sign_epi8(x, w))
+    }
+
+    /// Defines `$name`, `int8_dots` for one instruction set (`$features`) around the group sums
+    /// `$group_sum`. Runs of 8 groups are scaled together: the 8 exact group sums gathered into
+    /// one vector (lane `j` = group `j`), times the 8 weight scales (one F16C conversion) and
+    /// the row's 8 activation scales, one FMA; the groups after the last run one FMA each. Every
+    /// row takes the same steps whatever the number of rows, so a token's output does not
+    /// depend on its batch; every instruction set sums the same integers, so gives the same bits.
+    macro_rules! int8_dots {
+        ($name:ident, $group_sum:ident, $features:literal) => {
+            /// `int8_dots` on one instruction set (see `int8_dots!`).
+            ///
+            /// # Safety
+            /// The CPU must support the target features; the slices hold whole groups.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $name(
+                wq: &[i8],
+                ws: &[half::f16],
+                rows: &[(&[i8], &[f32])],
+                out: &mut [f32],
+            ) {
+                let groups = ws.len();
+                assert!(
+                    wq.len() >= groups * INT8_GROUP && rows.len() <= out.len() && rows.len() <= 4
+                );
+                for (xq, xs) in rows {
+                    assert!(xq.len() >= groups * INT8_GROUP && xs.len() >= groups);
+                }
+                // SAFETY (all loads): the asserts above keep every group inside `wq`, `ws`, `xq`,
+                // `xs`.
+                let wp = wq.as_ptr();
+                let runs = groups / 8;
+                let mut acc = [_mm256_setzero_ps(); 4];
+                for (a, (xq, xs)) in acc.iter_mut().zip(rows) {
+                    for run in 0..runs {
+                        let g0 = run * 8;
+                        let mut sums = [_mm256_setzero_si256(); 8];
+                        for (j, sum) in sums.iter_mut().enumerate() {
+                            *sum = $group_sum(wp, xq.as_ptr(), g0 + j);
+                        }
+                        let sw =
+                            _mm256_cvtph_ps(_mm_loadu_si128(ws.as_ptr().add(g0) as *const __m128i));
+                        let scale = _mm256_mul_ps(sw, _mm256_loadu_ps(xs.as_ptr().add(g0)));
+                        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum_lanes(sums)), scale, *a);
+                    }
+                    for g in runs * 8..groups {
+                        let sw = f16_bits_to_f32(ws[g].to_bits());
+                        let sum = _mm256_cvtepi32_ps($group_sum(wp, xq.as_ptr(), g));
+                        *a = _mm256_fmadd_ps(sum, _mm256_set1_ps(sw * xs[g]), *a);
+                    }
+                }
+                for (y, v) in out.iter_mut().zip(&acc[..rows.len()]) {
+                    *y = hsum256(*v);
+                }
+            }
+        };
+    }
+    int8_dots!(dots_avx2, group_sum_avx2, "avx2,fma,f16c");
+    int8_dots!(
+        dots_vnni,
+        group_sum_vnni,
+        "avx512vnni,avx512vl,avx2,fma,f16c"
+    );
 }
