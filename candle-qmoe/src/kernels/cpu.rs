@@ -38,7 +38,7 @@ pub enum CpuIsa {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
-    /// x86-64 AVX-512 BW/VL + VNNI (+ F16C).
+    /// x86-64 AVX-512 F/BW/VL + VNNI (+ AVX2, FMA, F16C).
     Avx512Vnni,
 }
 
@@ -106,11 +106,12 @@ impl CpuIsa {
             }
             #[cfg(target_arch = "x86_64")]
             CpuIsa::Avx512Vnni => {
-                is_x86_feature_detected!("avx512f")
+                // Its kernels also use AVX2 and FMA (every AVX-512 CPU has them; checked anyway).
+                CpuIsa::Avx2.is_available()
+                    && is_x86_feature_detected!("avx512f")
                     && is_x86_feature_detected!("avx512bw")
                     && is_x86_feature_detected!("avx512vl")
                     && is_x86_feature_detected!("avx512vnni")
-                    && is_x86_feature_detected!("f16c")
             }
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
