@@ -204,17 +204,17 @@ pub fn golden_prompt_count(golden: &std::collections::HashMap<String, Tensor>) -
         .count()
 }
 
-/// The trials `make(isa)` builds for each CPU instruction-set path — the portable one (forced)
-/// and every SIMD one — named `{prefix}_{path}::…`; a path this CPU lacks is reported as
-/// **ignored** (never as passed), with a `SKIPPED` line on stderr saying why.
+/// The trials `make(isa)` builds for each CPU instruction-set path (`CpuIsa::ALL`: the
+/// portable one, forced, and every SIMD one), named `{prefix}_{path}::…` after
+/// `CpuIsa::name`; a path this CPU lacks is reported as **ignored** (never as passed), with a
+/// `SKIPPED` line on stderr saying why.
 pub fn isa_trials(
     prefix: &str,
-    paths: &[(&str, candle_qmoe::kernels::cpu::CpuIsa)],
     make: impl Fn(&str, candle_qmoe::kernels::cpu::CpuIsa) -> Vec<libtest_mimic::Trial>,
 ) -> Vec<libtest_mimic::Trial> {
     let mut all = Vec::new();
-    for &(path, isa) in paths {
-        let name = format!("{prefix}_{path}");
+    for isa in candle_qmoe::kernels::cpu::CpuIsa::ALL {
+        let name = format!("{prefix}_{}", isa.name());
         let available = isa.is_available();
         if !available {
             eprintln!(

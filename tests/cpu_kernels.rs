@@ -332,24 +332,8 @@ fn attention_case(
 
 fn main() {
     let args = Arguments::from_args();
-    let mut all = isa_trials(
-        "dense",
-        &[
-            ("portable", CpuIsa::Scalar),
-            ("avx2", CpuIsa::Avx2),
-            ("avx512", CpuIsa::Avx512Vnni),
-        ],
-        bf16_matmul_trials,
-    );
-    all.extend(isa_trials(
-        "dense_int8",
-        &[
-            ("portable", CpuIsa::Scalar),
-            ("avx2", CpuIsa::Avx2),
-            ("avx512", CpuIsa::Avx512Vnni),
-        ],
-        int8_trials,
-    ));
+    let mut all = isa_trials("dense", bf16_matmul_trials);
+    all.extend(isa_trials("dense_int8", int8_trials));
     all.push(Trial::test("dense_linear_matches_candle_f32", || {
         dense_linear_matches_candle_f32();
         Ok(())

@@ -297,15 +297,9 @@ fn trials(name: &str, backend: Backend) -> Vec<Trial> {
 fn main() {
     let args = Arguments::from_args();
     let mut all = trials("dense_oracle", Backend::Dense);
-    all.extend(isa_trials(
-        "int4",
-        &[
-            ("portable", CpuIsa::Scalar),
-            ("avx2", CpuIsa::Avx2),
-            ("avx512_vnni", CpuIsa::Avx512Vnni),
-        ],
-        |name, isa| trials(name, Backend::Int4(isa)),
-    ));
+    all.extend(isa_trials("int4", |name, isa| {
+        trials(name, Backend::Int4(isa))
+    }));
     all.push(Trial::test("bad_routing_is_a_clear_error", || {
         bad_routing_is_a_clear_error();
         Ok::<(), Failed>(())

@@ -347,6 +347,17 @@ mod x86 {
         f16_bits_to_f32(u16::from_le_bytes([s[2 * g], s[2 * g + 1]]))
     }
 
+    /// The `vpshufb` pattern that zero-extends bytes 0..8 of a 128-bit lane into the low
+    /// half's 16-bit lanes and bytes 8..16 into the high half's (both decoders use it).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn spread_bytes_to_words() -> __m256i {
+        _mm256_setr_epi8(
+            0, -1, 1, -1, 2, -1, 3, -1, 4, -1, 5, -1, 6, -1, 7, -1, //
+            8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15, -1,
+        )
+    }
+
     /// Low and high nibbles of chunk `c` widened to 16 × i16 each.
     ///
     /// # Safety
@@ -360,10 +371,7 @@ mod x86 {
         // `vpmovzxbw`, cross-lane, cost 3 cycles per chunk on Zen 3; this costs ~1.)
         let b =
             _mm256_broadcastsi128_si256(_mm_loadu_si128(w.add(c * CHUNK_BYTES) as *const __m128i));
-        let spread = _mm256_setr_epi8(
-            0, -1, 1, -1, 2, -1, 3, -1, 4, -1, 5, -1, 6, -1, 7, -1, //
-            8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15, -1,
-        );
+        let spread = spread_bytes_to_words();
         let v = _mm256_shuffle_epi8(b, spread);
         (
             _mm256_and_si256(v, _mm256_set1_epi16(0x0f)),
@@ -667,10 +675,7 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw")]
     unsafe fn decode_avx512(w: *const u8, c: usize) -> __m512i {
         let b = _mm512_broadcast_i32x4(_mm_loadu_si128(w.add(c * CHUNK_BYTES) as *const __m128i));
-        let spread = _mm256_setr_epi8(
-            0, -1, 1, -1, 2, -1, 3, -1, 4, -1, 5, -1, 6, -1, 7, -1, //
-            8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15, -1,
-        );
+        let spread = spread_bytes_to_words();
         let spread = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(spread), spread);
         let mask = _mm512_inserti64x4::<1>(
             _mm512_castsi256_si512(_mm256_set1_epi16(0x0f)),
