@@ -380,6 +380,9 @@ struct Int8Acts {
     padded: usize,
     q: Vec<i8>,
     scales: Vec<f32>,
+    /// Per run of 4 levels, `-128 ×` their sum: the VNNI path multiplies weights offset to
+    /// unsigned bytes (`w + 128`) and starts each lane's sum here, which cancels the offset.
+    offsets: Vec<i32>,
 }
 
 impl Int8Acts {
@@ -398,8 +401,39 @@ impl Int8Acts {
                 *sg = quantize_group_i8(vals.iter().copied(), &mut qg[..vals.len()], |x| x);
             }
         }
-        Self { padded, q, scales }
+        let offsets = q
+            .chunks_exact(4)
+            .map(|l| -128 * l.iter().map(|&v| v as i32).sum::<i32>())
+            .collect();
+        Self {
+            padded,
+            q,
+            scales,
+            offsets,
+        }
     }
+
+    /// Token `t`'s row.
+    fn row(&self, t: usize) -> ActRow<'_> {
+        let groups = self.padded / INT8_GROUP;
+        let lanes = self.padded / 4;
+        ActRow {
+            q: &self.q[t * self.padded..(t + 1) * self.padded],
+            scales: &self.scales[t * groups..(t + 1) * groups],
+            offsets: &self.offsets[t * lanes..(t + 1) * lanes],
+        }
+    }
+}
+
+/// One activation row of [`Int8Acts`].
+#[derive(Clone, Copy, Default)]
+struct ActRow<'a> {
+    /// Levels, whole groups.
+    q: &'a [i8],
+    /// One scale per group.
+    scales: &'a [f32],
+    /// `-128 ×` the sum of each run of 4 levels.
+    offsets: &'a [i32],
 }
 
 /// `y [m, n] = x [m, k] · wᵀ` with `w` in INT8 and `x` quantized to INT8 per group on the fly
@@ -413,155 +447,370 @@ pub fn int8_matmul(isa: CpuIsa, x: &[f32], m: usize, w: &Int8Matrix) -> Vec<f32>
     let acts = Int8Acts::new(x, m, w.cols);
     let (n, padded) = (w.rows, acts.padded);
     let groups = padded / INT8_GROUP;
+    // A tile is `tile_rows` weight rows × up to INT8_TOKENS activation rows: at decode four
+    // weight rows share each activation load, otherwise each weight row feeds four tokens.
+    let tile_rows = if m == 1 { 4 } else { 1 };
     let mut yt = vec![0f32; n * m];
     yt.par_chunks_mut(ROW_BLOCK * m)
         .enumerate()
         .for_each(|(b, out)| {
-            for (i, o) in out.chunks_exact_mut(m).enumerate() {
-                let r = b * ROW_BLOCK + i;
-                let wq = &w.q[r * padded..(r + 1) * padded];
-                let ws = &w.scales[r * groups..(r + 1) * groups];
-                // Tokens in fours: each weight group is loaded once for four activation rows.
-                for (t0, o) in (0..m).step_by(INT8_TOKENS).zip(o.chunks_mut(INT8_TOKENS)) {
-                    let xq = |t: usize| &acts.q[t * padded..(t + 1) * padded];
-                    let xs = |t: usize| &acts.scales[t * groups..(t + 1) * groups];
-                    let mut rows: [(&[i8], &[f32]); INT8_TOKENS] = [(&[], &[]); INT8_TOKENS];
-                    for (j, row) in rows.iter_mut().take(o.len()).enumerate() {
-                        *row = (xq(t0 + j), xs(t0 + j));
+            for (i, o) in out.chunks_mut(tile_rows * m).enumerate() {
+                let r = b * ROW_BLOCK + i * tile_rows;
+                let nr = o.len() / m;
+                let weights = Int8Rows {
+                    q: &w.q[r * padded..(r + nr) * padded],
+                    scales: &w.scales[r * groups..(r + nr) * groups],
+                    groups,
+                };
+                for t0 in (0..m).step_by(INT8_TOKENS) {
+                    let mut rows = [ActRow::default(); INT8_TOKENS];
+                    let nt = (m - t0).min(INT8_TOKENS);
+                    for (j, row) in rows.iter_mut().take(nt).enumerate() {
+                        *row = acts.row(t0 + j);
                     }
-                    int8_dots(isa, wq, ws, &rows[..o.len()], o);
+                    int8_dots(isa, &weights, &rows[..nt], &mut o[t0..], m);
                 }
             }
         });
     transpose_to_tokens(yt, m, n)
 }
 
-/// Activation rows sharing one pass over an INT8 weight row.
+/// Activation rows sharing one pass over INT8 weight rows.
 const INT8_TOKENS: usize = 4;
 
-/// `out[j] = Σ_g ws[g] · xs_j[g] · Σ_{i ∈ g} wq[i] · xq_j[i]` over whole groups, for up to
-/// [`INT8_TOKENS`] activation rows `(xq_j, xs_j)`.
+/// Consecutive rows of an [`Int8Matrix`].
+struct Int8Rows<'a> {
+    q: &'a [i8],
+    scales: &'a [half::f16],
+    groups: usize,
+}
+
+impl Int8Rows<'_> {
+    fn len(&self) -> usize {
+        self.scales.len() / self.groups.max(1)
+    }
+}
+
+/// `out[r · stride + j] = Σ_g ws_r[g] · xs_j[g] · Σ_{i ∈ g} wq_r[i] · xq_j[i]` over whole
+/// groups, for the weight rows `r` of `w` and up to [`INT8_TOKENS`] activation rows `j`.
 #[inline]
-fn int8_dots(isa: CpuIsa, wq: &[i8], ws: &[half::f16], rows: &[(&[i8], &[f32])], out: &mut [f32]) {
+fn int8_dots(isa: CpuIsa, w: &Int8Rows, rows: &[ActRow], out: &mut [f32], stride: usize) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `int8_matmul` checked that the CPU supports `isa` (AVX2 at least).
-        CpuIsa::Avx2 => unsafe { x86_int8::dots_avx2(wq, ws, rows, out) },
+        CpuIsa::Avx2 => unsafe { x86_int8::dots_avx2(w, rows, out, stride) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above (AVX-512 VNNI).
-        CpuIsa::Avx512Vnni => unsafe { x86_int8::dots_vnni(wq, ws, rows, out) },
+        CpuIsa::Avx512Vnni => unsafe { x86_int8::dots_vnni(w, rows, out, stride) },
         _ => {
-            for ((xq, xs), y) in rows.iter().zip(out) {
-                *y = wq
-                    .chunks_exact(INT8_GROUP)
-                    .zip(xq.chunks_exact(INT8_GROUP))
-                    .zip(ws.iter().zip(xs.iter()))
-                    .map(|((w, x), (sw, sx))| {
-                        let d: i32 = w.iter().zip(x).map(|(&a, &b)| a as i32 * b as i32).sum();
-                        d as f32 * (sw.to_f32() * sx)
-                    })
-                    .sum();
+            let padded = w.groups * INT8_GROUP;
+            for r in 0..w.len() {
+                let wq = &w.q[r * padded..(r + 1) * padded];
+                let ws = &w.scales[r * w.groups..(r + 1) * w.groups];
+                for (j, row) in rows.iter().enumerate() {
+                    out[r * stride + j] = wq
+                        .chunks_exact(INT8_GROUP)
+                        .zip(row.q.chunks_exact(INT8_GROUP))
+                        .zip(ws.iter().zip(row.scales))
+                        .map(|((w, x), (sw, sx))| {
+                            let d: i32 = w.iter().zip(x).map(|(&a, &b)| a as i32 * b as i32).sum();
+                            d as f32 * (sw.to_f32() * sx)
+                        })
+                        .sum();
+                }
             }
         }
     }
 }
 
+/// The x86-64 INT8 dot products. Both instruction sets compute, per lane of 4 columns, the
+/// exact integer sum `Σ w · x`, convert it to F32 and accumulate it times its group's
+/// `ws · xs` with one FMA into one of 16 F32 lanes — lanes 0..8 take the even groups, 8..16
+/// the odd ones (one 512-bit vector on AVX-512, two 256-bit vectors on AVX2) — and finally add
+/// the two halves lane by lane and sum the 8 lanes in one fixed order. The same integers meet
+/// the same F32 operations in the same order: both give the same bits, and an output does not
+/// depend on the tile it was computed in. Scales are handled 8 groups at a time (one F16C
+/// conversion per weight row, one multiply per weight row and token), then moved to the lanes
+/// of each group by one permute.
 #[cfg(target_arch = "x86_64")]
 mod x86_int8 {
     use std::arch::x86_64::*;
 
-    use crate::kernels::x86_simd::{f16_bits_to_f32, hsum256, hsum_lanes};
+    use crate::kernels::x86_simd::hsum256;
 
-    use super::INT8_GROUP;
+    use super::{ActRow, Int8Rows, INT8_GROUP};
 
-    /// Group `g`'s eight partial i32 sums of `w · x` on AVX2: `vpmaddubsw` on `|w|` and `x` with
-    /// `w`'s sign (products of two values in `[-127, 127]` pair-summed stay within i16), then
-    /// `vpmaddwd` by ones to i32.
-    ///
-    /// # Safety
-    /// AVX2; group `g` lies inside both rows.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn group_sum_avx2(w: *const i8, x: *const i8, g: usize) -> __m256i {
-        let w = _mm256_loadu_si256(w.add(g * INT8_GROUP) as *const __m256i);
-        let x = _mm256_loadu_si256(x.add(g * INT8_GROUP) as *const __m256i);
-        let prod = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-        _mm256_madd_epi16(prod, _mm256_set1_epi16(1))
+    /// Checks that the weight rows and `rows` hold whole groups and `out` every output.
+    fn check(w: &Int8Rows, rows: &[ActRow], out: &[f32], stride: usize) {
+        let (groups, n) = (w.groups, w.len());
+        assert!(w.q.len() >= n * groups * INT8_GROUP && w.scales.len() == n * groups);
+        assert!(n >= 1 && !rows.is_empty() && rows.len() <= stride);
+        assert!(out.len() >= (n - 1) * stride + rows.len());
+        for r in rows {
+            let ok = r.q.len() >= groups * INT8_GROUP
+                && r.scales.len() >= groups
+                && r.offsets.len() >= groups * INT8_GROUP / 4;
+            assert!(ok, "activation row shorter than the weight rows");
+        }
     }
 
-    /// [`group_sum_avx2`] on AVX-512 VNNI: `|w|` times `x` with `w`'s sign summed by fours
-    /// straight into i32 by one `vpdpbusd`; the same integers in the same lanes.
+    /// The scales of groups `g0..g0 + 8` (zero past the row's end): `ws_r · xs_t` in F32 for
+    /// weight row `r` and token `t`.
     ///
     /// # Safety
-    /// AVX-512 VNNI + VL; group `g` lies inside both rows.
+    /// AVX2 + F16C; `check` holds and `g0 < w.groups`.
     #[inline]
-    #[target_feature(enable = "avx512vnni,avx512vl,avx2")]
-    unsafe fn group_sum_vnni(w: *const i8, x: *const i8, g: usize) -> __m256i {
-        let w = _mm256_loadu_si256(w.add(g * INT8_GROUP) as *const __m256i);
-        let x = _mm256_loadu_si256(x.add(g * INT8_GROUP) as *const __m256i);
-        let abs = _mm256_sign_epi8(w, w);
-        _mm256_dpbusd_epi32(_mm256_setzero_si256(), abs, _mm256_sign_epi8(x, w))
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn run_scales<const R: usize, const T: usize>(
+        w: &Int8Rows,
+        rows: &[ActRow],
+        g0: usize,
+    ) -> [[__m256; T]; R] {
+        let n = (w.groups - g0).min(8);
+        let mut s = [[_mm256_setzero_ps(); T]; R];
+        let mut xs = [_mm256_setzero_ps(); T];
+        for (x, row) in xs.iter_mut().zip(rows) {
+            *x = if n == 8 {
+                _mm256_loadu_ps(row.scales.as_ptr().add(g0))
+            } else {
+                let mut v = [0f32; 8];
+                v[..n].copy_from_slice(&row.scales[g0..g0 + n]);
+                _mm256_loadu_ps(v.as_ptr())
+            };
+        }
+        for (r, s) in s.iter_mut().enumerate() {
+            let first = w.scales.as_ptr().add(r * w.groups + g0);
+            let sw = if n == 8 {
+                _mm256_cvtph_ps(_mm_loadu_si128(first as *const __m128i))
+            } else {
+                let mut bits = [0u16; 8];
+                for (i, b) in bits.iter_mut().take(n).enumerate() {
+                    *b = (*first.add(i)).to_bits();
+                }
+                _mm256_cvtph_ps(_mm_loadu_si128(bits.as_ptr() as *const __m128i))
+            };
+            for (s, x) in s.iter_mut().zip(xs) {
+                *s = _mm256_mul_ps(sw, x);
+            }
+        }
+        s
     }
 
-    /// Defines `$name`, `int8_dots` for one instruction set (`$features`) around the group sums
-    /// `$group_sum`. Runs of 8 groups are scaled together: the 8 exact group sums gathered into
-    /// one vector (lane `j` = group `j`), times the 8 weight scales (one F16C conversion) and
-    /// the row's 8 activation scales, one FMA; the groups after the last run one FMA each. Every
-    /// row takes the same steps whatever the number of rows, so a token's output does not
-    /// depend on its batch; every instruction set sums the same integers, so gives the same bits.
-    macro_rules! int8_dots {
-        ($name:ident, $group_sum:ident, $features:literal) => {
-            /// `int8_dots` on one instruction set (see `int8_dots!`).
+    /// Group `g` (index `i` in its run of 8, scales `s`) on AVX2: `vpmaddubsw` on `|w|` and `x`
+    /// with `w`'s sign (products of two values in `[-127, 127]` pair-summed stay within i16),
+    /// then `vpmaddwd` by ones to the lane sums; into `acc[r][t][i % 2]`.
+    ///
+    /// # Safety
+    /// AVX2 + FMA; `check` holds and `g < w.groups`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn group_avx2<const R: usize, const T: usize>(
+        w: &Int8Rows,
+        rows: &[ActRow],
+        s: &[[__m256; T]; R],
+        (g, i): (usize, usize),
+        acc: &mut [[[__m256; 2]; T]; R],
+    ) {
+        let lane = _mm256_set1_epi32(i as i32);
+        let x: [__m256i; T] = std::array::from_fn(|t| {
+            _mm256_loadu_si256(rows[t].q.as_ptr().add(g * INT8_GROUP) as *const __m256i)
+        });
+        for r in 0..R {
+            let at = (r * w.groups + g) * INT8_GROUP;
+            let wv = _mm256_loadu_si256(w.q.as_ptr().add(at) as *const __m256i);
+            let abs = _mm256_sign_epi8(wv, wv);
+            for t in 0..T {
+                let prod = _mm256_maddubs_epi16(abs, _mm256_sign_epi8(x[t], wv));
+                let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, _mm256_set1_epi16(1)));
+                let scale = _mm256_permutevar8x32_ps(s[r][t], lane);
+                acc[r][t][i % 2] = _mm256_fmadd_ps(sums, scale, acc[r][t][i % 2]);
+            }
+        }
+    }
+
+    /// `int8_dots` on AVX2 for `R` weight rows × `T` tokens.
+    ///
+    /// # Safety
+    /// AVX2 + FMA + F16C; `check` holds.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dots_avx2_t<const R: usize, const T: usize>(
+        w: &Int8Rows,
+        rows: &[ActRow],
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let groups = w.groups;
+        // acc[r][t][0]: even groups, acc[r][t][1]: odd groups.
+        let mut acc = [[[_mm256_setzero_ps(); 2]; T]; R];
+        for g0 in (0..groups).step_by(8) {
+            let s = run_scales::<R, T>(w, rows, g0);
+            if g0 + 8 <= groups {
+                for i in 0..8 {
+                    group_avx2(w, rows, &s, (g0 + i, i), &mut acc);
+                }
+            } else {
+                for i in 0..groups - g0 {
+                    group_avx2(w, rows, &s, (g0 + i, i), &mut acc);
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (t, [even, odd]) in acc.iter().enumerate() {
+                out[r * stride + t] = hsum256(_mm256_add_ps(*even, *odd));
+            }
+        }
+    }
+
+    /// Lanes 0..8 of a 512-bit vector of F32 plus lanes 8..16, summed in `hsum256`'s order.
+    ///
+    /// # Safety
+    /// AVX-512F + AVX2.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn fold_hsum(a: __m512) -> f32 {
+        let even = _mm512_castps512_ps256(a);
+        let odd = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(a)));
+        hsum256(_mm256_add_ps(even, odd))
+    }
+
+    /// Groups `g, g + 1` (chunk `j` of their run, scales `s`) on AVX-512 VNNI: the weights
+    /// offset to unsigned bytes (`w + 128`, one XOR) so that one `vpdpbusd` starting from the
+    /// row's offsets gives the lane sums of both groups; into `acc[r][t]`.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VNNI; `check` holds and `g + 1 < w.groups`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn pair_vnni<const R: usize, const T: usize>(
+        w: &Int8Rows,
+        rows: &[ActRow],
+        s: &[[__m256; T]; R],
+        (g, j): (usize, i32),
+        acc: &mut [[__m512; T]; R],
+    ) {
+        // Lanes 0..8 take group 2j's scale, lanes 8..16 group 2j + 1's.
+        let (a, b) = (2 * j, 2 * j + 1);
+        let idx = _mm512_setr_epi32(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b);
+        let x: [__m512i; T] = std::array::from_fn(|t| {
+            _mm512_loadu_si512(rows[t].q.as_ptr().add(g * INT8_GROUP) as *const _)
+        });
+        for r in 0..R {
+            let at = (r * w.groups + g) * INT8_GROUP;
+            let wv = _mm512_loadu_si512(w.q.as_ptr().add(at) as *const _);
+            let wv = _mm512_xor_si512(wv, _mm512_set1_epi8(i8::MIN));
+            for t in 0..T {
+                let init = _mm512_loadu_si512(rows[t].offsets.as_ptr().add(g * 8) as *const _);
+                let sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(init, wv, x[t]));
+                let scale = _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(s[r][t]));
+                acc[r][t] = _mm512_fmadd_ps(sums, scale, acc[r][t]);
+            }
+        }
+    }
+
+    /// Group `g` alone (index `i` in its run, scales `s`), the last of an odd count: as
+    /// [`pair_vnni`] on 256 bits, into lanes 0..8 of `acc[r][t]`.
+    ///
+    /// # Safety
+    /// AVX-512 F/VL/VNNI + AVX2; `check` holds and `g < w.groups`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vl,avx512vnni,avx2,fma")]
+    unsafe fn single_vnni<const R: usize, const T: usize>(
+        w: &Int8Rows,
+        rows: &[ActRow],
+        s: &[[__m256; T]; R],
+        (g, i): (usize, usize),
+        acc: &mut [[__m512; T]; R],
+    ) {
+        let lane = _mm256_set1_epi32(i as i32);
+        for r in 0..R {
+            let at = (r * w.groups + g) * INT8_GROUP;
+            let wv = _mm256_loadu_si256(w.q.as_ptr().add(at) as *const __m256i);
+            let wv = _mm256_xor_si256(wv, _mm256_set1_epi8(i8::MIN));
+            for t in 0..T {
+                let row = &rows[t];
+                let init = _mm256_loadu_si256(row.offsets.as_ptr().add(g * 8) as *const _);
+                let x = _mm256_loadu_si256(row.q.as_ptr().add(g * INT8_GROUP) as *const _);
+                let sums = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(init, wv, x));
+                let scale = _mm256_permutevar8x32_ps(s[r][t], lane);
+                acc[r][t] = _mm512_mask3_fmadd_ps(
+                    _mm512_castps256_ps512(sums),
+                    _mm512_castps256_ps512(scale),
+                    acc[r][t],
+                    0x00ff,
+                );
+            }
+        }
+    }
+
+    /// `int8_dots` on AVX-512 VNNI for `R` weight rows × `T` tokens.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL/VNNI + AVX2 + FMA + F16C; `check` holds.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn dots_vnni_t<const R: usize, const T: usize>(
+        w: &Int8Rows,
+        rows: &[ActRow],
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let groups = w.groups;
+        let mut acc = [[_mm512_setzero_ps(); T]; R];
+        for g0 in (0..groups).step_by(8) {
+            let s = run_scales::<R, T>(w, rows, g0);
+            if g0 + 8 <= groups {
+                for j in 0..4 {
+                    pair_vnni(w, rows, &s, (g0 + 2 * j, j as i32), &mut acc);
+                }
+            } else {
+                let n = groups - g0;
+                for j in 0..n / 2 {
+                    pair_vnni(w, rows, &s, (g0 + 2 * j, j as i32), &mut acc);
+                }
+                if n % 2 == 1 {
+                    single_vnni(w, rows, &s, (groups - 1, n - 1), &mut acc);
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            for (t, a) in acc.iter().enumerate() {
+                out[r * stride + t] = fold_hsum(*a);
+            }
+        }
+    }
+
+    /// Defines `$name`, `int8_dots` on one instruction set, by dispatching the tile (weight
+    /// rows, tokens) to the const-generic body `$body`.
+    macro_rules! dispatch_tile {
+        ($name:ident, $body:ident, $features:literal) => {
+            /// `int8_dots` on one instruction set (see the module).
             ///
             /// # Safety
-            /// The CPU must support the target features; the slices hold whole groups.
+            /// The CPU must support the target features.
             #[target_feature(enable = $features)]
             pub(super) unsafe fn $name(
-                wq: &[i8],
-                ws: &[half::f16],
-                rows: &[(&[i8], &[f32])],
+                w: &Int8Rows,
+                rows: &[ActRow],
                 out: &mut [f32],
+                stride: usize,
             ) {
-                let groups = ws.len();
-                assert!(
-                    wq.len() >= groups * INT8_GROUP && rows.len() <= out.len() && rows.len() <= 4
-                );
-                for (xq, xs) in rows {
-                    assert!(xq.len() >= groups * INT8_GROUP && xs.len() >= groups);
-                }
-                // SAFETY (all loads): the asserts above keep every group inside `wq`, `ws`, `xq`,
-                // `xs`.
-                let wp = wq.as_ptr();
-                let runs = groups / 8;
-                let mut acc = [_mm256_setzero_ps(); 4];
-                for (a, (xq, xs)) in acc.iter_mut().zip(rows) {
-                    for run in 0..runs {
-                        let g0 = run * 8;
-                        let mut sums = [_mm256_setzero_si256(); 8];
-                        for (j, sum) in sums.iter_mut().enumerate() {
-                            *sum = $group_sum(wp, xq.as_ptr(), g0 + j);
-                        }
-                        let sw =
-                            _mm256_cvtph_ps(_mm_loadu_si128(ws.as_ptr().add(g0) as *const __m128i));
-                        let scale = _mm256_mul_ps(sw, _mm256_loadu_ps(xs.as_ptr().add(g0)));
-                        *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum_lanes(sums)), scale, *a);
-                    }
-                    for g in runs * 8..groups {
-                        let sw = f16_bits_to_f32(ws[g].to_bits());
-                        let sum = _mm256_cvtepi32_ps($group_sum(wp, xq.as_ptr(), g));
-                        *a = _mm256_fmadd_ps(sum, _mm256_set1_ps(sw * xs[g]), *a);
-                    }
-                }
-                for (y, v) in out.iter_mut().zip(&acc[..rows.len()]) {
-                    *y = hsum256(*v);
+                check(w, rows, out, stride);
+                match (w.len(), rows.len()) {
+                    (1, 1) => $body::<1, 1>(w, rows, out, stride),
+                    (2, 1) => $body::<2, 1>(w, rows, out, stride),
+                    (3, 1) => $body::<3, 1>(w, rows, out, stride),
+                    (4, 1) => $body::<4, 1>(w, rows, out, stride),
+                    (1, 2) => $body::<1, 2>(w, rows, out, stride),
+                    (1, 3) => $body::<1, 3>(w, rows, out, stride),
+                    (1, 4) => $body::<1, 4>(w, rows, out, stride),
+                    (r, t) => panic!("{r} weight rows × {t} tokens: not a tile of int8_matmul"),
                 }
             }
         };
     }
-    int8_dots!(dots_avx2, group_sum_avx2, "avx2,fma,f16c");
-    int8_dots!(
+    dispatch_tile!(dots_avx2, dots_avx2_t, "avx2,fma,f16c");
+    dispatch_tile!(
         dots_vnni,
-        group_sum_vnni,
-        "avx512vnni,avx512vl,avx2,fma,f16c"
+        dots_vnni_t,
+        "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
     );
 }
