@@ -334,11 +334,8 @@ fn dot_scalar<T: ActInt, const TB: usize>(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
-    use crate::kernels::x86_simd::{f16_bits_to_f32, hsum256, hsum_lanes};
+    use crate::kernels::x86_simd::{f16_bits_to_f32, hsum256, hsum_lanes, PREFETCH_BYTES};
     use std::arch::x86_64::*;
-
-    /// How far ahead of the current chunk weights are prefetched.
-    const PREFETCH_BYTES: usize = 4096;
 
     /// FP16 scale `g` of a row, converted with one F16C instruction.
     #[inline]

@@ -531,12 +531,14 @@ fn int8_dots(isa: CpuIsa, w: &Int8Rows, rows: &[ActRow], out: &mut [f32], stride
 /// the same F32 operations in the same order: both give the same bits, and an output does not
 /// depend on the tile it was computed in. Scales are handled 8 groups at a time (one F16C
 /// conversion per weight row, one multiply per weight row and token), then moved to the lanes
-/// of each group by one permute.
+/// of each group by one permute. Decode tiles take 4 weight rows: on a 2-core Xeon, with the
+/// weights streamed from DRAM, 4 rows and a prefetch 4 KiB ahead read 1.15–1.3× faster than 1
+/// or 2 rows, or no prefetch; 8 rows were no faster.
 #[cfg(target_arch = "x86_64")]
 mod x86_int8 {
     use std::arch::x86_64::*;
 
-    use crate::kernels::x86_simd::hsum256;
+    use crate::kernels::x86_simd::{hsum256, PREFETCH_BYTES};
 
     use super::{ActRow, Int8Rows, INT8_GROUP};
 
@@ -617,6 +619,10 @@ mod x86_int8 {
         });
         for r in 0..R {
             let at = (r * w.groups + g) * INT8_GROUP;
+            if i % 2 == 0 {
+                // One prefetch per 64-byte line, as on AVX-512.
+                _mm_prefetch::<_MM_HINT_T0>(w.q.as_ptr().wrapping_add(at + PREFETCH_BYTES));
+            }
             let wv = _mm256_loadu_si256(w.q.as_ptr().add(at) as *const __m256i);
             let abs = _mm256_sign_epi8(wv, wv);
             for t in 0..T {
@@ -696,6 +702,8 @@ mod x86_int8 {
         });
         for r in 0..R {
             let at = (r * w.groups + g) * INT8_GROUP;
+            // Rows are contiguous: fetch ahead across row ends (never faults).
+            _mm_prefetch::<_MM_HINT_T0>(w.q.as_ptr().wrapping_add(at + PREFETCH_BYTES));
             let wv = _mm512_loadu_si512(w.q.as_ptr().add(at) as *const _);
             let wv = _mm512_xor_si512(wv, _mm512_set1_epi8(i8::MIN));
             for t in 0..T {

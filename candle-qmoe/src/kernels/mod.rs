@@ -19,6 +19,9 @@ use crate::QmoeError;
 pub(crate) mod x86_simd {
     use std::arch::x86_64::*;
 
+    /// How far ahead of the current position the weight kernels prefetch.
+    pub(crate) const PREFETCH_BYTES: usize = 4096;
+
     /// The sum of the eight lanes of `v`.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
