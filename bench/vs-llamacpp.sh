@@ -29,7 +29,10 @@
 # peak RSS come from this run, on this machine), SMOKE=1 (prove the pipeline: -p 16 -n 8 -r 1,
 # no idle check, JSON under $LLAMA_DIR/runs), DEPTH=N (decode after N tokens of context instead:
 # llama-bench -p 0 -d N, our bench --prompt-tokens N; decode rates only; default OUT
-# bench/results/vs-llamacpp-cpu-depthN.json), FORMATS (llama.cpp formats, default "Q4_0 Q4_K_M").
+# bench/results/vs-llamacpp-cpu-depthN.json), FORMATS (llama.cpp formats, default "Q4_0 Q4_K_M"),
+# ROUNDS=N (default 1: run step 3 N times in turn — probe, every llama.cpp format, every run of
+# ours — so that a machine whose bandwidth drifts by minutes weighs on both sides alike; the JSON
+# gives each round and the medians, and the ratios as the median of each round's own ratio).
 set -euo pipefail
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2; }
@@ -49,6 +52,7 @@ else
   prompt=${PROMPT:-128} gen=${GEN:-64} reps=${REPS:-5}
 fi
 max_load=${MAX_LOAD:-0.5}
+rounds=${ROUNDS:-1}
 depth=${DEPTH:-0}
 name=$(basename "$model_dir")
 models=$llama_dir/models/$name
@@ -181,57 +185,62 @@ run_dir=$llama_dir/runs/$name-$(date -u +%Y%m%dT%H%M%SZ)$([[ $smoke == 1 ]] && e
 mkdir -p "$run_dir"
 log "timed runs in $run_dir"
 export RAYON_NUM_THREADS=$threads
-"$target/release/examples/mem_bandwidth" >"$run_dir/machine.json"
 
-report=(--model-dir "$model_dir" --machine "$run_dir/machine.json" --cores "$(nproc)"
+report=(--model-dir "$model_dir" --cores "$(nproc)"
   --threads "$threads" --prompt "$prompt" --gen "$gen" --repetitions "$reps" --depth "$depth"
   --convert bf16 "$models/convert-bf16.time")
-for fmt in "${formats[@]}"; do
-  gguf=$models/$name-$fmt.gguf
-  cmd=("$build/bin/llama-bench" -m "$gguf" -t "$threads" -p "$prompt" -n "$gen" -r "$reps" -o json)
-  if ((depth > 0)); then
-    cmd=("$build/bin/llama-bench" -m "$gguf" -t "$threads" -p 0 -n "$gen" -d "$depth" -r "$reps"
-      -o json)
-  fi
-  log "${cmd[*]}"
-  load=$(load1)
-  /usr/bin/time -v -o "$run_dir/llama-$fmt.time" "${cmd[@]}" >"$run_dir/llama-$fmt.json" \
-    2>"$run_dir/llama-$fmt.log" || { tail -20 "$run_dir/llama-$fmt.log" >&2; exit 1; }
-  report+=(--llama "$fmt" "$gguf" "$run_dir/llama-$fmt.json" "$run_dir/llama-$fmt.time" "$load"
-    "${cmd[*]}" --quantize "$fmt" "$models/quantize-$fmt.time")
+for fmt in "${formats[@]}"; do report+=(--quantize "$fmt" "$models/quantize-$fmt.time"); done
+for ((round = 1; round <= rounds; round++)); do
+  r=$([[ $rounds == 1 ]] || echo "-r$round")
+  ((rounds == 1)) || log "round $round of $rounds"
+  "$target/release/examples/mem_bandwidth" >"$run_dir/machine$r.json"
+  report+=(--machine "$run_dir/machine$r.json")
+  for fmt in "${formats[@]}"; do
+    gguf=$models/$name-$fmt.gguf
+    cmd=("$build/bin/llama-bench" -m "$gguf" -t "$threads" -p "$prompt" -n "$gen" -r "$reps" -o json)
+    if ((depth > 0)); then
+      cmd=("$build/bin/llama-bench" -m "$gguf" -t "$threads" -p 0 -n "$gen" -d "$depth" -r "$reps"
+        -o json)
+    fi
+    log "${cmd[*]}"
+    load=$(load1)
+    /usr/bin/time -v -o "$run_dir/llama-$fmt$r.time" "${cmd[@]}" >"$run_dir/llama-$fmt$r.json" \
+      2>"$run_dir/llama-$fmt$r.log" || { tail -20 "$run_dir/llama-$fmt$r.log" >&2; exit 1; }
+    report+=(--llama "$fmt" "$gguf" "$run_dir/llama-$fmt$r.json" "$run_dir/llama-$fmt$r.time" "$load"
+      "${cmd[*]}")
+  done
+
+  i=0
+  for variant in "" "${variants[@]}"; do
+    read -r -a extra <<<"$variant"
+    cmd=("$target/release/examples/bench" --model-dir "$model_dir" --cpu --prompts "$reps" --blocks 1
+      -n "$gen" --warmup "$((gen < 16 ? gen : 16))" --prompt-tokens "$((depth > 0 ? depth : prompt))"
+      --json "$run_dir/ours-$i$r.json")
+    run_pack=-
+    if [[ " $variant " != *" --pack "* && " $variant " != *" --experts "* ]]; then
+      cmd+=(--pack "$pack")
+      run_pack=$pack
+    elif [[ " $variant " == *" --pack "* ]]; then
+      run_pack=$(sed -E 's/.*--pack +([^ ]+).*/\1/' <<<"$variant")
+    fi
+    cmd+=("${extra[@]}")
+    label=int4-g128
+    [[ -n $variant ]] && label=$variant
+    log "${cmd[*]}"
+    load=$(load1)
+    /usr/bin/time -v -o "$run_dir/ours-$i$r.time" "${cmd[@]}" >"$run_dir/ours-$i$r.log" 2>&1 ||
+      { tail -20 "$run_dir/ours-$i$r.log" >&2; exit 1; }
+    report+=(--ours "$label" "$run_pack" "$run_dir/ours-$i$r.json" "$run_dir/ours-$i$r.time" "$load"
+      "RAYON_NUM_THREADS=$threads ${cmd[*]}")
+    i=$((i + 1))
+  done
 done
 
-i=0
-for variant in "" "${variants[@]}"; do
-  read -r -a extra <<<"$variant"
-  cmd=("$target/release/examples/bench" --model-dir "$model_dir" --cpu --prompts "$reps" --blocks 1
-    -n "$gen" --warmup "$((gen < 16 ? gen : 16))" --prompt-tokens "$((depth > 0 ? depth : prompt))"
-    --json "$run_dir/ours-$i.json")
-  run_pack=-
-  if [[ " $variant " != *" --pack "* && " $variant " != *" --experts "* ]]; then
-    cmd+=(--pack "$pack")
-    run_pack=$pack
-  elif [[ " $variant " == *" --pack "* ]]; then
-    run_pack=$(sed -E 's/.*--pack +([^ ]+).*/\1/' <<<"$variant")
-  fi
-  cmd+=("${extra[@]}")
-  label=int4-g128
-  [[ -n $variant ]] && label=$variant
-  log "${cmd[*]}"
-  load=$(load1)
-  /usr/bin/time -v -o "$run_dir/ours-$i.time" "${cmd[@]}" >"$run_dir/ours-$i.log" 2>&1 ||
-    { tail -20 "$run_dir/ours-$i.log" >&2; exit 1; }
-  report+=(--ours "$label" "$run_pack" "$run_dir/ours-$i.json" "$run_dir/ours-$i.time" "$load"
-    "RAYON_NUM_THREADS=$threads ${cmd[*]}")
-  i=$((i + 1))
-done
-
-# --- 4. the evidence file -------------------------------------------------------------------
 if [[ $smoke == 1 ]]; then default_out=$run_dir/vs-llamacpp-cpu.json
 elif ((depth > 0)); then default_out=$repo/bench/results/vs-llamacpp-cpu-depth$depth.json
 else default_out=$repo/bench/results/vs-llamacpp-cpu.json; fi
 "$venv/bin/python" "$repo/bench/vs_llamacpp_report.py" "${report[@]}" --out "${OUT:-$default_out}" \
-  --command "THREADS=$threads PROMPT=$prompt GEN=$gen REPS=$reps DEPTH=$depth FORMATS='${formats[*]}' bench/vs-llamacpp.sh$(printf ' %q' "$model_dir" "${variants[@]}")" \
+  --command "THREADS=$threads PROMPT=$prompt GEN=$gen REPS=$reps ROUNDS=$rounds DEPTH=$depth FORMATS='${formats[*]}' bench/vs-llamacpp.sh$(printf ' %q' "$model_dir" "${variants[@]}")" \
   --llama-cpp source "llama-cpp-python $version sdist from PyPI, its vendor/llama.cpp" \
   --llama-cpp llama_cpp_python_version "$version" \
   --llama-cpp llama_cpp_commit "$llama_commit" \

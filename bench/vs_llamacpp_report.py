@@ -172,12 +172,27 @@ def ratio(a, b):
     return a / b if a is not None and b else None
 
 
+def median(values: list):
+    """The median of the values that are not None (the mean of the middle two for an even
+    count), or None."""
+    v = sorted(x for x in values if x is not None)
+    if not v:
+        return None
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+
+
+def max_or_none(values: list):
+    v = [x for x in values if x is not None]
+    return max(v) if v else None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--model-dir", type=Path, required=True)
-    p.add_argument("--machine", type=Path, required=True,
-                   help="the mem_bandwidth example's JSON line")
+    p.add_argument("--machine", type=Path, action="append", required=True,
+                   help="the mem_bandwidth example's JSON line (once per round)")
     p.add_argument("--cores", type=int, required=True)
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--prompt", type=int, required=True, help="prompt tokens")
@@ -199,13 +214,14 @@ def main() -> None:
 
     commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"],
                             cwd=Path(__file__).parent, capture_output=True, text=True)
-    machine = json.loads(a.machine.read_text())
-    systems = []
+    machines = [json.loads(m.read_text()) for m in a.machine]
+    machine = machines[0]
+    runs = []
     for fmt, path, bench, log, load, command in a.llama:
         counted = gguf_bytes_per_token(Path(path))
         rates = llama_rates(json.loads(Path(bench).read_text()), a.prompt, a.gen, a.depth)
         timing = time_v(Path(log))
-        systems.append({
+        runs.append({
             "system": "llama.cpp", "format": fmt, "file": path,
             "command": command,
             "load_average_1m_before": float(load),
@@ -218,7 +234,7 @@ def main() -> None:
         counted = ours_bytes_per_token(a.model_dir, Path(pack) if pack != "-" else None, run)
         reported = run.get("bytes_per_token")
         timing = time_v(Path(log))
-        systems.append({
+        runs.append({
             "system": "candle-qmoe", "format": label, "file": pack if pack != "-" else None,
             "command": command, "load_average_1m_before": float(load),
             # At a depth our prompt rate is the prefill of the whole context: not comparable.
@@ -236,17 +252,49 @@ def main() -> None:
             "wall_s": timing["elapsed_s"],
             "contract": doc.get("contract"),
         })
-    read_bw = machine["read_gb_per_s"]
-    for s in systems:
-        rate = s["decode_tokens_per_s"]
-        s["achieved_gb_per_s"] = s["bytes_per_token"] * rate / 1e9 if rate else None
-        s["fraction_of_read_bandwidth"] = ratio(s["achieved_gb_per_s"], read_bw)
+    # Each round lists every system once, in the same order: the n-th run of a (system,
+    # format) belongs to round n and is measured against that round's bandwidth probe.
+    rounds = len(machines)
+    seen: dict[tuple[str, str], int] = {}
+    for run in runs:
+        key = (run["system"], run["format"])
+        run["round"] = seen.get(key, 0)
+        seen[key] = run["round"] + 1
+        read = machines[min(run["round"], rounds - 1)]["read_gb_per_s"]
+        rate = run["decode_tokens_per_s"]
+        run["achieved_gb_per_s"] = run["bytes_per_token"] * rate / 1e9 if rate else None
+        run["fraction_of_read_bandwidth"] = ratio(run["achieved_gb_per_s"], read)
+    read_bw = median([m["read_gb_per_s"] for m in machines])
 
     keys = ["decode_tokens_per_s", "prompt_tokens_per_s", "bytes_per_token",
             "achieved_gb_per_s", "peak_rss_bytes"]
+    systems = []
+    for key in dict.fromkeys((r["system"], r["format"]) for r in runs):
+        mine = [r for r in runs if (r["system"], r["format"]) == key]
+        merged = dict(mine[0])
+        del merged["round"]
+        for k in keys + ["fraction_of_read_bandwidth"]:
+            merged[k] = median([r[k] for r in mine])
+        merged["peak_rss_bytes"] = max_or_none([r["peak_rss_bytes"] for r in mine])
+        if rounds > 1:
+            merged["rounds"] = mine
+        systems.append(merged)
+
+    def round_ratios(o, l):
+        """The ratio of each round's own measurements, then their median."""
+        out = {}
+        for k in keys:
+            per = [ratio(x[k], y[k]) for x in runs for y in runs
+                   if (x["system"], x["format"]) == (o["system"], o["format"])
+                   and (y["system"], y["format"]) == (l["system"], l["format"])
+                   and x["round"] == y["round"]]
+            out[k] = median(per)
+            if rounds > 1:
+                out[k + "_by_round"] = per
+        return out
+
     ratios = [
-        {"ours": o["format"], "llama_cpp": l["format"],
-         **{k: ratio(o[k], l[k]) for k in keys}}
+        {"ours": o["format"], "llama_cpp": l["format"], **round_ratios(o, l)}
         for o in systems if o["system"] == "candle-qmoe"
         for l in systems if l["system"] == "llama.cpp"
     ]
@@ -262,7 +310,9 @@ def main() -> None:
         "command": a.command,
         "machine": {
             "cpu": machine.get("cpu"), "cores": a.cores,
-            "read_gb_per_s": read_bw, "copy_gb_per_s": machine.get("copy_gb_per_s"),
+            "read_gb_per_s": read_bw,
+            "read_gb_per_s_by_round": [m["read_gb_per_s"] for m in machines],
+            "copy_gb_per_s": median([m.get("copy_gb_per_s") for m in machines]),
             "bandwidth_threads": machine.get("threads"),
             "bandwidth_probe": "cargo run --release --example mem_bandwidth (parallel XOR read "
                                "of 512 MiB, median of 5)",
@@ -278,7 +328,7 @@ def main() -> None:
         },
         "workload": {
             "prompt_tokens": a.prompt, "generated_tokens": a.gen, "threads": a.threads,
-            "repetitions": a.repetitions, "depth": a.depth,
+            "repetitions": a.repetitions, "rounds": rounds, "depth": a.depth,
         },
         "llama_cpp": dict(a.llama_cpp),
         "convert": convert,
@@ -304,6 +354,11 @@ def main() -> None:
             "llama.cpp repacks Q4_0 and Q4_K weights for the CPU's SIMD at load (settings.repack): "
             "its peak RSS holds the file's mmapped pages plus the repacked copy, and decoding "
             "reads the repacked copy (the same number of bytes)",
+            "rounds > 1: the timed runs were repeated in turn (probe, each llama.cpp format, each "
+            "run of ours) rounds times; each system's figures are the medians over its rounds "
+            "(peak RSS the largest; every round under 'rounds', its achieved bandwidth against "
+            "that round's probe), and each ratio is the median of the rounds' own ratios "
+            "(the per-round values under '<key>_by_round')",
             "ours reads its non-expert weights in --dense-weights (bf16 by default, the "
             "checkpoint's; int8 and f32 where the format says so) and its routed experts as INT4 "
             "g128 slabs; llama.cpp reads the GGUF's types (quantized by llama-quantize)",
@@ -313,14 +368,18 @@ def main() -> None:
     a.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"{'system':<12} {'format':<24} {'decode tok/s':>12} {'prompt tok/s':>12} "
           f"{'MB/token':>9} {'GB/s':>6} {'peak RSS MB':>11}")
+    fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
     for s in systems:
-        fmt = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
         print(f"{s['system']:<12} {s['format']:<24} {fmt(s['decode_tokens_per_s'], '.2f'):>12} "
               f"{fmt(s['prompt_tokens_per_s'], '.1f'):>12} "
               f"{fmt(s['bytes_per_token'] / 1e6, '.1f'):>9} "
               f"{fmt(s['achieved_gb_per_s'], '.2f'):>6} "
               f"{fmt(s['peak_rss_bytes'] and s['peak_rss_bytes'] / 1e6, '.0f'):>11}")
-    print(f"read bandwidth {read_bw:.2f} GB/s; wrote {a.out}")
+    for r in ratios:
+        print(f"ours {r['ours']} / llama.cpp {r['llama_cpp']}: decode "
+              f"{fmt(r['decode_tokens_per_s'], '.2f')}x, prompt "
+              f"{fmt(r['prompt_tokens_per_s'], '.2f')}x (median of the rounds' ratios)")
+    print(f"read bandwidth {read_bw:.2f} GB/s (median of {rounds} probes); wrote {a.out}")
 
 
 if __name__ == "__main__":
