@@ -330,10 +330,62 @@ fn attention_case(
     assert_eq!(cache.allocated_bytes(), cache.capacity() * per_position);
 }
 
+/// q/k/v stacked into one INT8 projection give the three INT8 projections' outputs bit for bit
+/// (each output row is the same dot product in the same order), biases included, at decode and
+/// over several tokens, on every instruction set.
+fn stacked_int8_trials(name: &str, isa: CpuIsa) -> Vec<Trial> {
+    vec![Trial::test(
+        format!("{name}::stacked_int8_projections_equal_the_parts"),
+        move || {
+            let dev = Device::Cpu;
+            let mut rng = Rng::new(17);
+            let k = 320;
+            let sizes = [64usize, 32, 37];
+            let parts: Vec<DenseLinear> = sizes
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| {
+                    let w = Tensor::from_vec(rng.normals(n * k, 0.02), (n, k), &dev)?
+                        .to_dtype(DType::BF16)?;
+                    // The second part without a bias: zeros take its place.
+                    let bias = (i != 1)
+                        .then(|| Tensor::from_vec(rng.normals(n, 0.1), n, &dev))
+                        .transpose()?;
+                    DenseLinear::new(w, bias)?.to_int8()?.with_isa(isa)
+                })
+                .collect::<candle::Result<_>>()?;
+            let stacked =
+                DenseLinear::stack_int8(&[&parts[0], &parts[1], &parts[2]])?.with_isa(isa)?;
+            assert_eq!(stacked.dims(), (sizes.iter().sum(), k));
+            // The stacked bias holds F32 zeros for the part without one.
+            let bytes: usize = parts.iter().map(DenseLinear::weight_bytes).sum();
+            assert_eq!(stacked.weight_bytes(), bytes + 4 * sizes[1]);
+            for m in [1usize, 5] {
+                let x = Tensor::from_vec(rng.normals(m * k, 1.0), (m, k), &dev)?;
+                let got = stacked.forward(&x)?;
+                let want = Tensor::cat(
+                    &parts
+                        .iter()
+                        .map(|p| p.forward(&x))
+                        .collect::<candle::Result<Vec<_>>>()?,
+                    1,
+                )?;
+                assert_eq!(
+                    got.flatten_all()?.to_vec1::<f32>()?,
+                    want.flatten_all()?.to_vec1::<f32>()?,
+                    "{isa:?} m{m}: stacked and separate INT8 projections differ"
+                );
+            }
+            Ok(())
+        },
+    )]
+}
+
 fn main() {
     let args = Arguments::from_args();
     let mut all = isa_trials("dense", bf16_matmul_trials);
     all.extend(isa_trials("dense_int8", int8_trials));
+    all.extend(isa_trials("dense_int8", stacked_int8_trials));
     all.push(Trial::test("dense_linear_matches_candle_f32", || {
         dense_linear_matches_candle_f32();
         Ok(())

@@ -157,6 +157,51 @@ impl DenseLinear {
         })
     }
 
+    /// One INT8 projection whose output is `parts`' outputs side by side (`[..., Σ out]`, bit
+    /// for bit): their weights requantized ([`Self::to_int8`]) and stacked, their biases (zero
+    /// where a part has none) concatenated. One call then quantizes the activations once and
+    /// wakes the thread pool once, where the parts would each do both.
+    pub fn stack_int8(parts: &[&DenseLinear]) -> candle::Result<Self> {
+        let in_dim = parts.first().map_or(0, |p| p.dims.1);
+        if parts.is_empty() || parts.iter().any(|p| p.dims.1 != in_dim) {
+            candle::bail!("stack_int8: needs one or more projections with the same input size");
+        }
+        let int8 = parts
+            .iter()
+            .map(|p| p.to_int8())
+            .collect::<candle::Result<Vec<_>>>()?;
+        let matrices: Vec<&Int8Matrix> = int8
+            .iter()
+            .map(|p| match &p.kernel {
+                Kernel::Int8(op) => op.matrix.as_ref(),
+                _ => unreachable!("to_int8 returns INT8 projections"),
+            })
+            .collect();
+        let matrix = Arc::new(Int8Matrix::stack(&matrices));
+        let bias = if int8.iter().any(|p| p.bias.is_some()) {
+            let device = Device::Cpu;
+            let biases = int8
+                .iter()
+                .map(|p| match &p.bias {
+                    Some(b) => Ok(b.clone()),
+                    None => Tensor::zeros(p.dims.0, DType::F32, &device),
+                })
+                .collect::<candle::Result<Vec<_>>>()?;
+            Some(Tensor::cat(&biases, 0)?)
+        } else {
+            None
+        };
+        let isa = match &int8[0].kernel {
+            Kernel::Int8(op) => op.isa,
+            _ => CpuIsa::detect(),
+        };
+        Ok(Self {
+            kernel: Kernel::Int8(Int8MatMul { matrix, isa }),
+            bias,
+            dims: (int8.iter().map(|p| p.dims.0).sum(), in_dim),
+        })
+    }
+
     /// Forces the instruction set of the CPU kernels (e.g. the portable path in tests); an
     /// instruction set this CPU lacks is refused.
     pub fn with_isa(mut self, isa: CpuIsa) -> candle::Result<Self> {

@@ -344,6 +344,28 @@ impl Int8Matrix {
         }
     }
 
+    /// The rows of `parts` one after the other (all with the same columns): one matrix whose
+    /// product is the parts' products side by side, bit for bit.
+    ///
+    /// # Panics
+    /// When `parts` is empty or their columns differ.
+    pub fn stack(parts: &[&Int8Matrix]) -> Self {
+        let cols = parts.first().expect("at least one matrix").cols;
+        assert!(
+            parts.iter().all(|m| m.cols == cols),
+            "stacked matrices need equal columns"
+        );
+        Self {
+            rows: parts.iter().map(|m| m.rows).sum(),
+            cols,
+            q: parts.iter().flat_map(|m| m.q.iter().copied()).collect(),
+            scales: parts
+                .iter()
+                .flat_map(|m| m.scales.iter().copied())
+                .collect(),
+        }
+    }
+
     /// Rows (output features).
     pub fn rows(&self) -> usize {
         self.rows

@@ -230,13 +230,61 @@ pub(crate) struct SeqSpan<'a> {
     pub(crate) mask: Option<&'a Tensor>,
 }
 
+/// The q, k and v projections of [`Attention`]: three projections as loaded, or one INT8
+/// projection over their stacked rows (one activation quantization and one pass of the thread
+/// pool per call instead of three; the same bits).
+#[derive(Clone, Debug)]
+enum QkvProjection {
+    Separate([DenseLinear; 3]),
+    Stacked {
+        qkv: DenseLinear,
+        /// The output sizes of q, k and v.
+        dims: [usize; 3],
+    },
+}
+
+impl QkvProjection {
+    /// `[q, k, v]` of `xs [..., H]`.
+    fn forward(&self, xs: &Tensor) -> candle::Result<[Tensor; 3]> {
+        match self {
+            Self::Separate([q, k, v]) => Ok([q.forward(xs)?, k.forward(xs)?, v.forward(xs)?]),
+            Self::Stacked { qkv, dims } => {
+                let y = qkv.forward(xs)?;
+                let part = |start: usize, len: usize| y.narrow(D::Minus1, start, len)?.contiguous();
+                Ok([
+                    part(0, dims[0])?,
+                    part(dims[0], dims[1])?,
+                    part(dims[0] + dims[1], dims[2])?,
+                ])
+            }
+        }
+    }
+
+    /// The projections in INT8, stacked.
+    fn to_int8(&self) -> candle::Result<Self> {
+        match self {
+            Self::Separate(parts) => Ok(Self::Stacked {
+                qkv: DenseLinear::stack_int8(&[&parts[0], &parts[1], &parts[2]])?,
+                dims: [parts[0].dims().0, parts[1].dims().0, parts[2].dims().0],
+            }),
+            Self::Stacked { .. } => Ok(self.clone()),
+        }
+    }
+
+    /// Bytes of the weights and biases.
+    fn weight_bytes(&self) -> usize {
+        match self {
+            Self::Separate(parts) => parts.iter().map(DenseLinear::weight_bytes).sum(),
+            Self::Stacked { qkv, .. } => qkv.weight_bytes(),
+        }
+    }
+}
+
 /// Multi-head attention with GQA, optional q/k/v bias, q/k norm (over the projection or per
 /// head) and `clip_qkv`, over KV caches held outside the layer (in a [`super::SequenceCache`]).
 #[derive(Clone, Debug)]
 pub struct Attention {
-    q_proj: DenseLinear,
-    k_proj: DenseLinear,
-    v_proj: DenseLinear,
+    qkv: QkvProjection,
     o_proj: DenseLinear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
@@ -275,9 +323,11 @@ impl Attention {
             None => (None, None),
         };
         Ok(Self {
-            q_proj: DenseLinear::load(h, q_dim, a.qkv_bias, vb.pp("q_proj"))?,
-            k_proj: DenseLinear::load(h, kv_dim, a.qkv_bias, vb.pp("k_proj"))?,
-            v_proj: DenseLinear::load(h, kv_dim, a.qkv_bias, vb.pp("v_proj"))?,
+            qkv: QkvProjection::Separate([
+                DenseLinear::load(h, q_dim, a.qkv_bias, vb.pp("q_proj"))?,
+                DenseLinear::load(h, kv_dim, a.qkv_bias, vb.pp("k_proj"))?,
+                DenseLinear::load(h, kv_dim, a.qkv_bias, vb.pp("v_proj"))?,
+            ]),
             o_proj: DenseLinear::load(q_dim, h, a.o_bias, vb.pp("o_proj"))?,
             q_norm,
             k_norm,
@@ -295,9 +345,7 @@ impl Attention {
     /// keys and values to that cache. The projections run once over all `N` tokens; rotary
     /// embedding and attention per span.
     pub(crate) fn forward(&self, xs: &Tensor, spans: &mut [SeqSpan]) -> candle::Result<Tensor> {
-        let mut q = self.q_proj.forward(xs)?;
-        let mut k = self.k_proj.forward(xs)?;
-        let mut v = self.v_proj.forward(xs)?;
+        let [mut q, mut k, mut v] = self.qkv.forward(xs)?;
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             q = self.qk_norm(qn, &q, self.num_heads)?;
             k = self.qk_norm(kn, &k, self.num_kv_heads)?;
@@ -420,25 +468,18 @@ impl Attention {
             .reshape((b, s, self.num_heads * self.head_dim))
     }
 
-    /// Puts q/k/v/o in INT8 ([`DenseLinear::to_int8`]).
+    /// Puts q/k/v/o in INT8 ([`DenseLinear::to_int8`]), q/k/v stacked into one projection
+    /// ([`DenseLinear::stack_int8`]).
     pub fn quantize_int8(&mut self) -> candle::Result<()> {
-        for p in [
-            &mut self.q_proj,
-            &mut self.k_proj,
-            &mut self.v_proj,
-            &mut self.o_proj,
-        ] {
-            *p = p.to_int8()?;
-        }
+        self.qkv = self.qkv.to_int8()?;
+        self.o_proj = self.o_proj.to_int8()?;
         Ok(())
     }
 
     /// Bytes of the projections and norms: what one token reads (the KV cache aside).
     pub fn weight_bytes(&self) -> usize {
-        [&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
-            .iter()
-            .map(|l| l.weight_bytes())
-            .sum::<usize>()
+        self.qkv.weight_bytes()
+            + self.o_proj.weight_bytes()
             + [&self.q_norm, &self.k_norm]
                 .iter()
                 .filter_map(|n| n.as_ref().map(RmsNorm::weight_bytes))
