@@ -148,7 +148,8 @@ fn gpu_name(_: &candle::Device) -> Option<String> {
     None
 }
 
-/// The device a run used, for evidence files: kind, name, driver (`null` on the CPU), threads.
+/// The device a run used, for evidence files: kind, name, driver (`null` on the CPU), threads,
+/// and on the CPU the instruction set of our kernels (`QMOE_CPU_ISA` may force one).
 pub fn device_json(device: &candle::Device) -> serde_json::Value {
     let threads = std::thread::available_parallelism().ok().map(|n| n.get());
     if device.is_cuda() {
@@ -160,6 +161,12 @@ pub fn device_json(device: &candle::Device) -> serde_json::Value {
             "host_threads": threads,
         })
     } else {
-        serde_json::json!({"kind": "cpu", "name": cpu_model(), "driver": null, "threads": threads})
+        serde_json::json!({
+            "kind": "cpu",
+            "name": cpu_model(),
+            "driver": null,
+            "threads": threads,
+            "cpu_isa": candle_qmoe::kernels::cpu::CpuIsa::detect().name(),
+        })
     }
 }

@@ -124,8 +124,21 @@ impl DenseLinear {
     /// group of 32 columns, multiplied by 8-bit quantized activations; an INT8 weight is
     /// returned as it is. Refused on other devices, which have no INT8 kernel.
     pub fn to_int8(&self) -> candle::Result<Self> {
+        if let Kernel::Int8(_) = self.kernel {
+            return Ok(self.clone());
+        }
+        Ok(Self {
+            kernel: Kernel::Int8(self.int8_op()?),
+            bias: self.f32_bias()?,
+            dims: self.dims,
+        })
+    }
+
+    /// The INT8 kernel of this projection: its own, or its weight requantized (see
+    /// [`Self::to_int8`]).
+    fn int8_op(&self) -> candle::Result<Int8MatMul> {
         let weight = match &self.kernel {
-            Kernel::Int8(_) => return Ok(self.clone()),
+            Kernel::Int8(op) => return Ok(op.clone()),
             Kernel::Bf16 { weight, .. } => weight,
             Kernel::Candle(l) => l.weight(),
         };
@@ -142,19 +155,18 @@ impl DenseLinear {
         }
         let (rows, cols) = self.dims;
         let values = weight.to_dtype(DType::BF16)?.flatten_all()?.to_vec1()?;
-        let matrix = Arc::new(Int8Matrix::quantize_bf16(&values, rows, cols));
-        Ok(Self {
-            kernel: Kernel::Int8(Int8MatMul {
-                matrix,
-                isa: CpuIsa::detect(),
-            }),
-            bias: self
-                .bias
-                .as_ref()
-                .map(|b| b.to_dtype(DType::F32))
-                .transpose()?,
-            dims: self.dims,
+        Ok(Int8MatMul {
+            matrix: Arc::new(Int8Matrix::quantize_bf16(&values, rows, cols)),
+            isa: CpuIsa::detect(),
         })
+    }
+
+    /// The bias in F32 (the INT8 kernel's output dtype).
+    fn f32_bias(&self) -> candle::Result<Option<Tensor>> {
+        self.bias
+            .as_ref()
+            .map(|b| b.to_dtype(DType::F32))
+            .transpose()
     }
 
     /// One INT8 projection whose output is `parts`' outputs side by side (`[..., Σ out]`, bit
@@ -166,39 +178,31 @@ impl DenseLinear {
         if parts.is_empty() || parts.iter().any(|p| p.dims.1 != in_dim) {
             candle::bail!("stack_int8: needs one or more projections with the same input size");
         }
-        let int8 = parts
+        let ops = parts
             .iter()
-            .map(|p| p.to_int8())
+            .map(|p| p.int8_op())
             .collect::<candle::Result<Vec<_>>>()?;
-        let matrices: Vec<&Int8Matrix> = int8
-            .iter()
-            .map(|p| match &p.kernel {
-                Kernel::Int8(op) => op.matrix.as_ref(),
-                _ => unreachable!("to_int8 returns INT8 projections"),
-            })
-            .collect();
+        let matrices: Vec<&Int8Matrix> = ops.iter().map(|op| op.matrix.as_ref()).collect();
         let matrix = Arc::new(Int8Matrix::stack(&matrices));
-        let bias = if int8.iter().any(|p| p.bias.is_some()) {
-            let device = Device::Cpu;
-            let biases = int8
+        let bias = if parts.iter().any(|p| p.bias.is_some()) {
+            let biases = parts
                 .iter()
-                .map(|p| match &p.bias {
-                    Some(b) => Ok(b.clone()),
-                    None => Tensor::zeros(p.dims.0, DType::F32, &device),
+                .map(|p| match p.f32_bias()? {
+                    Some(b) => Ok(b),
+                    None => Tensor::zeros(p.dims.0, DType::F32, &Device::Cpu),
                 })
                 .collect::<candle::Result<Vec<_>>>()?;
             Some(Tensor::cat(&biases, 0)?)
         } else {
             None
         };
-        let isa = match &int8[0].kernel {
-            Kernel::Int8(op) => op.isa,
-            _ => CpuIsa::detect(),
-        };
         Ok(Self {
-            kernel: Kernel::Int8(Int8MatMul { matrix, isa }),
+            kernel: Kernel::Int8(Int8MatMul {
+                matrix,
+                isa: ops[0].isa,
+            }),
             bias,
-            dims: (int8.iter().map(|p| p.dims.0).sum(), in_dim),
+            dims: (parts.iter().map(|p| p.dims.0).sum(), in_dim),
         })
     }
 

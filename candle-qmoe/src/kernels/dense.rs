@@ -404,11 +404,13 @@ struct Int8Acts {
     scales: Vec<f32>,
     /// Per run of 4 levels, `-128 ×` their sum: the VNNI path multiplies weights offset to
     /// unsigned bytes (`w + 128`) and starts each lane's sum here, which cancels the offset.
+    /// Empty for the other instruction sets, which do not read it.
     offsets: Vec<i32>,
 }
 
 impl Int8Acts {
-    fn new(x: &[f32], m: usize, k: usize) -> Self {
+    /// `x [m, k]` quantized for the INT8 kernel on `isa`.
+    fn new(isa: CpuIsa, x: &[f32], m: usize, k: usize) -> Self {
         let padded = k.next_multiple_of(INT8_GROUP);
         let groups = padded / INT8_GROUP;
         let mut q = vec![0i8; m * padded];
@@ -423,10 +425,13 @@ impl Int8Acts {
                 *sg = quantize_group_i8(vals.iter().copied(), &mut qg[..vals.len()], |x| x);
             }
         }
-        let offsets = q
-            .chunks_exact(4)
-            .map(|l| -128 * l.iter().map(|&v| v as i32).sum::<i32>())
-            .collect();
+        let offsets = if isa == CpuIsa::Avx512Vnni {
+            q.chunks_exact(4)
+                .map(|l| -128 * l.iter().map(|&v| v as i32).sum::<i32>())
+                .collect()
+        } else {
+            Vec::new()
+        };
         Self {
             padded,
             q,
@@ -442,7 +447,7 @@ impl Int8Acts {
         ActRow {
             q: &self.q[t * self.padded..(t + 1) * self.padded],
             scales: &self.scales[t * groups..(t + 1) * groups],
-            offsets: &self.offsets[t * lanes..(t + 1) * lanes],
+            offsets: self.offsets.get(t * lanes..(t + 1) * lanes).unwrap_or(&[]),
         }
     }
 }
@@ -454,7 +459,7 @@ struct ActRow<'a> {
     q: &'a [i8],
     /// One scale per group.
     scales: &'a [f32],
-    /// `-128 ×` the sum of each run of 4 levels.
+    /// `-128 ×` the sum of each run of 4 levels (VNNI only, else empty).
     offsets: &'a [i32],
 }
 
@@ -466,7 +471,7 @@ struct ActRow<'a> {
 pub fn int8_matmul(isa: CpuIsa, x: &[f32], m: usize, w: &Int8Matrix) -> Vec<f32> {
     assert!(isa.is_available(), "{isa:?} is not supported by this CPU");
     assert_eq!(x.len(), m * w.cols, "x must be [m, {}]", w.cols);
-    let acts = Int8Acts::new(x, m, w.cols);
+    let acts = Int8Acts::new(isa, x, m, w.cols);
     let (n, padded) = (w.rows, acts.padded);
     let groups = padded / INT8_GROUP;
     // A tile is `tile_rows` weight rows × up to INT8_TOKENS activation rows: at decode four
@@ -564,8 +569,9 @@ mod x86_int8 {
 
     use super::{ActRow, Int8Rows, INT8_GROUP};
 
-    /// Checks that the weight rows and `rows` hold whole groups and `out` every output.
-    fn check(w: &Int8Rows, rows: &[ActRow], out: &[f32], stride: usize) {
+    /// Checks that the weight rows and `rows` hold whole groups (and their offsets when
+    /// `offsets`) and `out` every output.
+    fn check(w: &Int8Rows, rows: &[ActRow], out: &[f32], stride: usize, offsets: bool) {
         let (groups, n) = (w.groups, w.len());
         assert!(w.q.len() >= n * groups * INT8_GROUP && w.scales.len() == n * groups);
         assert!(n >= 1 && !rows.is_empty() && rows.len() <= stride);
@@ -573,7 +579,7 @@ mod x86_int8 {
         for r in rows {
             let ok = r.q.len() >= groups * INT8_GROUP
                 && r.scales.len() >= groups
-                && r.offsets.len() >= groups * INT8_GROUP / 4;
+                && (!offsets || r.offsets.len() >= groups * INT8_GROUP / 4);
             assert!(ok, "activation row shorter than the weight rows");
         }
     }
@@ -811,7 +817,7 @@ mod x86_int8 {
     /// Defines `$name`, `int8_dots` on one instruction set, by dispatching the tile (weight
     /// rows, tokens) to the const-generic body `$body`.
     macro_rules! dispatch_tile {
-        ($name:ident, $body:ident, $features:literal) => {
+        ($name:ident, $body:ident, $features:literal, offsets: $offsets:literal) => {
             /// `int8_dots` on one instruction set (see the module).
             ///
             /// # Safety
@@ -823,7 +829,7 @@ mod x86_int8 {
                 out: &mut [f32],
                 stride: usize,
             ) {
-                check(w, rows, out, stride);
+                check(w, rows, out, stride, $offsets);
                 match (w.len(), rows.len()) {
                     (1, 1) => $body::<1, 1>(w, rows, out, stride),
                     (2, 1) => $body::<2, 1>(w, rows, out, stride),
@@ -837,10 +843,11 @@ mod x86_int8 {
             }
         };
     }
-    dispatch_tile!(dots_avx2, dots_avx2_t, "avx2,fma,f16c");
+    dispatch_tile!(dots_avx2, dots_avx2_t, "avx2,fma,f16c", offsets: false);
     dispatch_tile!(
         dots_vnni,
         dots_vnni_t,
-        "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
+        "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+        offsets: true
     );
 }
