@@ -32,7 +32,11 @@
 # bench/results/vs-llamacpp-cpu-depthN.json), FORMATS (llama.cpp formats, default "Q4_0 Q4_K_M"),
 # ROUNDS=N (default 1: run step 3 N times in turn — probe, every llama.cpp format, every run of
 # ours — so that a machine whose bandwidth drifts by minutes weighs on both sides alike; the JSON
-# gives each round and the medians, and the ratios as the median of each round's own ratio).
+# gives each round and the medians, and the ratios as the median of each round's own ratio),
+# ISA=avx2 (both sides restricted to AVX2 + FMA + F16C, as on a CPU without AVX-512 such as a
+# Zen 3 EPYC: llama.cpp built with GGML_NATIVE=OFF and only those extensions, in
+# $LLAMA_DIR/build-avx2, and our runs with QMOE_CPU_ISA=avx2; default OUT
+# bench/results/vs-llamacpp-cpu-avx2.json).
 set -euo pipefail
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2; }
@@ -54,10 +58,12 @@ fi
 max_load=${MAX_LOAD:-0.5}
 rounds=${ROUNDS:-1}
 depth=${DEPTH:-0}
+isa=${ISA:-native}
+[[ $isa == native || $isa == avx2 ]] || { echo "error: ISA=$isa: native or avx2" >&2; exit 2; }
 name=$(basename "$model_dir")
 models=$llama_dir/models/$name
 src=$llama_dir/src/llama_cpp_python-$version/vendor/llama.cpp
-build=$llama_dir/build
+build=$llama_dir/build$([[ $isa == native ]] || echo "-$isa")
 venv=$llama_dir/venv
 target=${CARGO_TARGET_DIR:-$repo/target}
 log() { printf '[vs-llamacpp %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
@@ -95,7 +101,13 @@ case $version in
   *) build_number=${LLAMA_BUILD_NUMBER:-0} ;;
 esac
 
-cmake_flags=(-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DGGML_METAL=OFF
+if [[ $isa == avx2 ]]; then
+  isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+    -DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF)
+else
+  isa_flags=(-DGGML_NATIVE=ON)
+fi
+cmake_flags=(-DCMAKE_BUILD_TYPE=Release "${isa_flags[@]}" -DGGML_CUDA=OFF -DGGML_METAL=OFF
   -DGGML_VULKAN=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
   -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF
   "-DLLAMA_BUILD_COMMIT=$llama_commit" "-DLLAMA_BUILD_NUMBER=$build_number")
@@ -185,6 +197,11 @@ run_dir=$llama_dir/runs/$name-$(date -u +%Y%m%dT%H%M%SZ)$([[ $smoke == 1 ]] && e
 mkdir -p "$run_dir"
 log "timed runs in $run_dir"
 export RAYON_NUM_THREADS=$threads
+our_env="RAYON_NUM_THREADS=$threads"
+if [[ $isa != native ]]; then
+  export QMOE_CPU_ISA=$isa
+  our_env+=" QMOE_CPU_ISA=$isa"
+fi
 
 report=(--model-dir "$model_dir" --cores "$(nproc)"
   --threads "$threads" --prompt "$prompt" --gen "$gen" --repetitions "$reps" --depth "$depth"
@@ -231,21 +248,23 @@ for ((round = 1; round <= rounds; round++)); do
     /usr/bin/time -v -o "$run_dir/ours-$i$r.time" "${cmd[@]}" >"$run_dir/ours-$i$r.log" 2>&1 ||
       { tail -20 "$run_dir/ours-$i$r.log" >&2; exit 1; }
     report+=(--ours "$label" "$run_pack" "$run_dir/ours-$i$r.json" "$run_dir/ours-$i$r.time" "$load"
-      "RAYON_NUM_THREADS=$threads ${cmd[*]}")
+      "$our_env ${cmd[*]}")
     i=$((i + 1))
   done
 done
 
 if [[ $smoke == 1 ]]; then default_out=$run_dir/vs-llamacpp-cpu.json
 elif ((depth > 0)); then default_out=$repo/bench/results/vs-llamacpp-cpu-depth$depth.json
+elif [[ $isa != native ]]; then default_out=$repo/bench/results/vs-llamacpp-cpu-$isa.json
 else default_out=$repo/bench/results/vs-llamacpp-cpu.json; fi
 "$venv/bin/python" "$repo/bench/vs_llamacpp_report.py" "${report[@]}" --out "${OUT:-$default_out}" \
-  --command "THREADS=$threads PROMPT=$prompt GEN=$gen REPS=$reps ROUNDS=$rounds DEPTH=$depth FORMATS='${formats[*]}' bench/vs-llamacpp.sh$(printf ' %q' "$model_dir" "${variants[@]}")" \
+  --command "$([[ $isa == native ]] || echo "ISA=$isa ")THREADS=$threads PROMPT=$prompt GEN=$gen REPS=$reps ROUNDS=$rounds DEPTH=$depth FORMATS='${formats[*]}' bench/vs-llamacpp.sh$(printf ' %q' "$model_dir" "${variants[@]}")" \
   --llama-cpp source "llama-cpp-python $version sdist from PyPI, its vendor/llama.cpp" \
   --llama-cpp llama_cpp_python_version "$version" \
   --llama-cpp llama_cpp_commit "$llama_commit" \
   --llama-cpp llama_cpp_build_number "$build_number" \
   --llama-cpp cmake_flags "${cmake_flags[*]}" \
+  --llama-cpp isa "$isa" \
   --llama-cpp targets "llama-bench llama-quantize" \
   --llama-cpp build_seconds "$build_seconds" \
   --llama-cpp compiler "$(cc --version | head -1)" \
