@@ -626,9 +626,13 @@ mod x86_int8 {
         s
     }
 
-    /// Group `g` (index `i` in its run of 8, scales `s`) on AVX2: `vpmaddubsw` on `|w|` and `x`
-    /// with `w`'s sign (products of two values in `[-127, 127]` pair-summed stay within i16),
-    /// then `vpmaddwd` by ones to the lane sums; into `acc[r][t][i % 2]`.
+    /// Group `g` (index `i` in its run of 8, scales `s`) on AVX2: the exact pair sums of `w · x`
+    /// by `vpmaddubsw` of one operand's magnitudes and the other with its signs (products of two
+    /// values in `[-127, 127]` pair-summed stay within i16), then `vpmaddwd` by ones to the lane
+    /// sums; times the scale `s[r][t][i]` broadcast from memory, into `acc[r][t]` (the
+    /// accumulators of group `i`'s parity). The magnitudes are taken of the operand the tile shares: `|x|` once
+    /// per token when there are more weight rows than tokens (decode), `|w|` once per row
+    /// otherwise — one `vpsignb` per row and token instead of two, and the same integers.
     ///
     /// # Safety
     /// AVX2 + FMA; `check` holds and `g < w.groups`.
@@ -637,13 +641,20 @@ mod x86_int8 {
     unsafe fn group_avx2<const R: usize, const T: usize>(
         w: &Int8Rows,
         rows: &[ActRow],
-        s: &[[__m256; T]; R],
+        s: &[[[f32; 8]; T]; R],
         (g, i): (usize, usize),
-        acc: &mut [[[__m256; 2]; T]; R],
+        acc: &mut [[__m256; T]; R],
     ) {
-        let lane = _mm256_set1_epi32(i as i32);
+        let shared_x = R > T;
         let x: [__m256i; T] = std::array::from_fn(|t| {
             _mm256_loadu_si256(rows[t].q.as_ptr().add(g * INT8_GROUP) as *const __m256i)
+        });
+        let abs_x: [__m256i; T] = std::array::from_fn(|t| {
+            if shared_x {
+                _mm256_sign_epi8(x[t], x[t])
+            } else {
+                x[t]
+            }
         });
         for r in 0..R {
             let at = (r * w.groups + g) * INT8_GROUP;
@@ -652,12 +663,20 @@ mod x86_int8 {
                 _mm_prefetch::<_MM_HINT_T0>(w.q.as_ptr().wrapping_add(at + PREFETCH_BYTES));
             }
             let wv = _mm256_loadu_si256(w.q.as_ptr().add(at) as *const __m256i);
-            let abs = _mm256_sign_epi8(wv, wv);
+            let abs_w = if shared_x {
+                wv
+            } else {
+                _mm256_sign_epi8(wv, wv)
+            };
             for t in 0..T {
-                let prod = _mm256_maddubs_epi16(abs, _mm256_sign_epi8(x[t], wv));
+                let prod = if shared_x {
+                    _mm256_maddubs_epi16(abs_x[t], _mm256_sign_epi8(wv, x[t]))
+                } else {
+                    _mm256_maddubs_epi16(abs_w, _mm256_sign_epi8(x[t], wv))
+                };
                 let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(prod, _mm256_set1_epi16(1)));
-                let scale = _mm256_permutevar8x32_ps(s[r][t], lane);
-                acc[r][t][i % 2] = _mm256_fmadd_ps(sums, scale, acc[r][t][i % 2]);
+                let scale = _mm256_broadcast_ss(&s[r][t][i]);
+                acc[r][t] = _mm256_fmadd_ps(sums, scale, acc[r][t]);
             }
         }
     }
@@ -674,23 +693,40 @@ mod x86_int8 {
         stride: usize,
     ) {
         let groups = w.groups;
-        // acc[r][t][0]: even groups, acc[r][t][1]: odd groups.
-        let mut acc = [[[_mm256_setzero_ps(); 2]; T]; R];
+        // The even and odd groups' accumulators: two arrays, each indexed by constants only, so
+        // that they stay in registers, and the scales in memory, broadcast by the loads
+        // themselves: 16 registers hold the 4-row decode tile without spilling an accumulator.
+        // (Accumulators in memory, as with one array indexed by the group's parity or with the
+        // scales in registers, make every FMA wait on the store of the one before.)
+        let mut even = [[_mm256_setzero_ps(); T]; R];
+        let mut odd = [[_mm256_setzero_ps(); T]; R];
+        let mut s = [[[0f32; 8]; T]; R];
         for g0 in (0..groups).step_by(8) {
-            let s = run_scales::<R, T>(w, rows, g0);
+            for (s, v) in s.iter_mut().zip(run_scales::<R, T>(w, rows, g0)) {
+                for (s, v) in s.iter_mut().zip(v) {
+                    _mm256_storeu_ps(s.as_mut_ptr(), v);
+                }
+            }
+            // Opaque to the compiler, which would otherwise keep the scales in registers.
+            let s = std::hint::black_box(&s);
             if g0 + 8 <= groups {
-                for i in 0..8 {
-                    group_avx2(w, rows, &s, (g0 + i, i), &mut acc);
+                for i in (0..8).step_by(2) {
+                    group_avx2(w, rows, s, (g0 + i, i), &mut even);
+                    group_avx2(w, rows, s, (g0 + i + 1, i + 1), &mut odd);
                 }
             } else {
-                for i in 0..groups - g0 {
-                    group_avx2(w, rows, &s, (g0 + i, i), &mut acc);
+                let n = groups - g0;
+                for i in (0..n).step_by(2) {
+                    group_avx2(w, rows, s, (g0 + i, i), &mut even);
+                    if i + 1 < n {
+                        group_avx2(w, rows, s, (g0 + i + 1, i + 1), &mut odd);
+                    }
                 }
             }
         }
-        for (r, acc) in acc.iter().enumerate() {
-            for (t, [even, odd]) in acc.iter().enumerate() {
-                out[r * stride + t] = hsum256(_mm256_add_ps(*even, *odd));
+        for r in 0..R {
+            for t in 0..T {
+                out[r * stride + t] = hsum256(_mm256_add_ps(even[r][t], odd[r][t]));
             }
         }
     }
