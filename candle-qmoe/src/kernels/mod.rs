@@ -19,7 +19,8 @@ use crate::QmoeError;
 pub(crate) mod x86_simd {
     use std::arch::x86_64::*;
 
-    /// How far ahead of the current position the weight kernels prefetch.
+    /// How far ahead of the current position the INT4 kernels prefetch (one sequential stream
+    /// per task; the INT8 kernel's tiles prefetch one tile ahead instead).
     pub(crate) const PREFETCH_BYTES: usize = 4096;
 
     /// The sum of the eight lanes of `v`.
