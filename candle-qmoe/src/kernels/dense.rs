@@ -644,9 +644,10 @@ mod x86_int8 {
     /// by `vpmaddubsw` of one operand's magnitudes and the other with its signs (products of two
     /// values in `[-127, 127]` pair-summed stay within i16), then `vpmaddwd` by ones to the lane
     /// sums; times the scale `s[r][t][i]` broadcast from memory, into `acc[r][t]` (the
-    /// accumulators of group `i`'s parity). The magnitudes are taken of the operand the tile shares: `|x|` once
-    /// per token when there are more weight rows than tokens (decode), `|w|` once per row
-    /// otherwise — one `vpsignb` per row and token instead of two, and the same integers.
+    /// accumulators of group `i`'s parity). The magnitudes are taken of the operand the tile
+    /// shares: `|x|` once per token when there are more weight rows than tokens (decode), `|w|`
+    /// once per row otherwise — one `vpsignb` per row and token instead of two, and the same
+    /// integers.
     ///
     /// # Safety
     /// AVX2 + FMA; `check` holds and `g < w.groups`.
