@@ -1139,9 +1139,14 @@ fn routed_forward_as<'a, T: ActInt>(
                 let m = matrix(*e, true);
                 y.resize(width * slots.len(), 0f32);
                 block_rows(isa, shape_dn, &m, rows.clone(), a, &mut y);
-                for (r, ys) in y.chunks_exact(slots.len()).enumerate() {
-                    for (&slot, &v) in slots.iter().zip(ys) {
-                        local[(slot / k) * width + r] += weights[slot] * v;
+                // Slot by slot, one division per slot rather than per element; each output
+                // element still takes its slots in the same order (the same bits).
+                let n = slots.len();
+                for (j, &slot) in slots.iter().enumerate() {
+                    let (t, w) = (slot / k, weights[slot]);
+                    let dst = &mut local[t * width..(t + 1) * width];
+                    for (d, ys) in dst.iter_mut().zip(y.chunks_exact(n)) {
+                        *d += w * ys[j];
                     }
                 }
             }
