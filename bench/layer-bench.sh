@@ -13,3 +13,7 @@ for shape in olmoe qwen; do
 done
 # Single decode calls after an idle pause (the wake-up of an idle core included in each call).
 ./target/release/examples/layer_bench --shape olmoe --tokens 1 --burst 1 --json "$out" | tail -1
+# The kernels' compute rate: experts that stay in cache, one thread, long bursts (one cold call
+# in 64 after the other backends have run).
+RAYON_NUM_THREADS=1 ./target/release/examples/layer_bench --shape cached --tokens 1 --burst 64 \
+  --json "$out" | tail -1

@@ -267,11 +267,12 @@ fn packed(name: &str, group: GroupSize) -> PackedExperts {
 
 /// In the full model, the INT4 kernel matches the dense oracle on the dequantized weights, so
 /// any difference is kernel arithmetic, not weight quantization. Below `W4A8_MIN_TOKENS` tokens
-/// (decode-sized calls; prompt 0 has 7) the activations are rounded to `i16` and only F32
-/// accumulation order is left (measured max |Δlogit| 8e-5–3.4e-4 on every fixture). Top-1
-/// agreement is printed, not asserted there: an argmax can only flip where the oracle's top two
-/// logits are closer than 2 × max |Δlogit| (< 4e-3), and the random fixtures have such near-ties
-/// (one flip measured, qwen3moe-tiny g256). Longer calls (prompt 1 has 33 tokens) round
+/// (decode-sized calls; prompt 0 has 7) the activations are rounded per group to
+/// `DECODE_ACT_MAX` (1927) levels, at most 1/3854 of the group's largest value: measured max
+/// |Δlogit| 1.5e-3–3.0e-3 and KL 7e-8–2.3e-7 on every fixture (at 32767 levels, 17× finer, the
+/// max |Δlogit| was 8e-5–3.4e-4); the bounds, 1e-2 and 1e-6, leave 3× and 4×. Top-1 agreement
+/// is printed, not asserted there: an argmax can only flip where the oracle's top two logits
+/// are closer than 2 × max |Δlogit| (< 2e-2), and the random fixtures have such near-ties. Longer calls (prompt 1 has 33 tokens) round
 /// activations to `i8` per group: a relative error of ~1% per projection
 /// (tests/routed_experts.rs), through two layers. Measured KL 2e-5–8e-4 (max |Δlogit| ≤ 0.6), and
 /// 1.9e-3 / 3.2e-3 (max ≈ 1) on mixtral-tiny g128 / g256, whose top-2 routing amplifies small
@@ -312,7 +313,8 @@ fn int4_kernel_matches_dequantized_oracle_in_model() {
                     assert!(m.mean_kl < 4e-3, "{name} g{g} prompt{p}: KL {}", m.mean_kl);
                     assert!(m.top1 >= 0.9, "{name} g{g} prompt{p}: top-1 {}", m.top1);
                 } else {
-                    assert!(m.max_abs_diff < 2e-3, "{name} g{g} prompt{p}: {m:?}");
+                    assert!(m.max_abs_diff < 1e-2, "{name} g{g} prompt{p}: {m:?}");
+                    assert!(m.mean_kl < 1e-6, "{name} g{g} prompt{p}: {m:?}");
                 }
             }
         }

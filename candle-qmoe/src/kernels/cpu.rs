@@ -1,16 +1,17 @@
 //! The CPU W4A16 / W4A8 kernel: fused top-k routed experts computed straight from INT4 slabs.
 //!
 //! Activations are quantized on the fly per K-group, to `i16` for calls of fewer than
-//! [`W4A8_MIN_TOKENS`] tokens (decode: scale = group absmax / 32767, an error of at most 2⁻¹⁶ of
-//! the group's largest value — below FP16's own rounding for the values that dominate the dot
-//! product) and to `i8` for longer calls (prefill: absmax / 127, as llama.cpp's Q8_K activations;
-//! an error of at most 1/254 of the group's largest value, a tenth of what the INT4 weights
-//! already lose). Inside a group, nibble × activation products are summed exactly in integers:
-//! `vpmaddwd` on AVX2 and `vpdpwssd` on AVX-512 VNNI for `i16`; `vpmaddubsw` (unsigned nibble ×
-//! signed byte, at most 2 · 15 · 127 per pair) summed in `i16` over the group's at most 8 chunks
-//! (≤ 30 480, no saturation) and widened once per group for `i8`. Each group's sum is scaled by
-//! `weight_scale · activation_scale` and accumulated in F32. The `−8` nibble offset is folded in
-//! exactly as `−8 · Σ q_x` per group, precomputed once per activation row.
+//! [`W4A8_MIN_TOKENS`] tokens (decode: scale = group absmax / [`DECODE_ACT_MAX`], an error of at
+//! most 1/3854 of the group's largest value — FP16's own rounding for the values that dominate
+//! the dot product) and to `i8` for longer calls (prefill: absmax / 127, as llama.cpp's Q8_K
+//! activations; an error of at most 1/254 of the group's largest value, a tenth of what the INT4
+//! weights already lose). Inside a group, nibble × activation products are summed exactly in
+//! integers: `vpmaddwd` on AVX2 and `vpdpwssd` on AVX-512 VNNI for `i16`; `vpmaddubsw`
+//! (unsigned nibble × signed byte, at most 2 · 15 · 127 per pair) summed in `i16` over the
+//! group's at most 8 chunks (≤ 30 480, no saturation) and widened once per group for `i8`. Each
+//! group's sum is scaled by `weight_scale · activation_scale` and accumulated in F32. The `−8`
+//! nibble offset is folded in exactly as `−8 · Σ q_x` per group, precomputed once per
+//! activation row.
 //!
 //! Work is split with rayon: first over (expert, block of intermediate rows) for gate/up and
 //! SiLU·up, then over blocks of hidden rows for the down projection and the weighted combine,
@@ -30,6 +31,16 @@ use crate::pack::{ExpertLayout, QMatrixLayout};
 /// Calls with at least this many tokens (prefill chunks) quantize activations to `i8` and use
 /// the byte dot products; shorter ones (decode) keep `i16` activations.
 pub const W4A8_MIN_TOKENS: usize = 16;
+
+/// The largest `i16` activation level (decode): `absmax / DECODE_ACT_MAX` is a group's scale.
+/// 1927 is the most that keeps `b − 16 · a` inside `i16` for any two levels (17 · 1927 ≤
+/// 32767): the kernels store each byte's high-nibble activation `b` folded that way and
+/// multiply the low-nibble activation `a` by the whole byte,
+/// `(lo + 16 · hi) · a + hi · (b − 16 · a) = lo · a + hi · b`, which saves the AVX2 loop a mask
+/// per chunk (one vector instruction in seven). The rounding error, at most 1/3854 of the
+/// group's largest value, is that of FP16 (the CUDA kernels' activations) for the values that
+/// dominate the dot product.
+pub const DECODE_ACT_MAX: i16 = 1927;
 
 /// Instruction set used by the CPU kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -136,6 +147,12 @@ trait ActInt: Copy + Default + Send + Sync + Into<i32> {
     const MAX: f32;
     /// The level `v`, clamped to `±MAX`.
     fn from_level(v: i32) -> Self;
+    /// Whether a chunk's high-nibble activations are stored folded (see [`DECODE_ACT_MAX`]):
+    /// lane `16 + j` holds `b_j − 16 · a_j`, and lane `j`'s activation `a_j` multiplies the
+    /// whole byte `j`, not only its low nibble.
+    const FOLDED: bool;
+    /// Folds one chunk of quantized activations in place if [`ActInt::FOLDED`].
+    fn fold(chunk: &mut [Self]);
     /// Most activation rows sharing one pass over a weight row on `isa`: as many as keep the
     /// accumulators in registers.
     fn token_block(isa: CpuIsa) -> usize;
@@ -208,6 +225,7 @@ impl<T: ActInt> QuantActs<T> {
                     scale[gi] = s;
                     corr[gi] = -8 * sum;
                 }
+                q.chunks_exact_mut(CHUNK_WEIGHTS).for_each(T::fold);
             });
         Self {
             padded_cols,
@@ -328,7 +346,9 @@ fn dot_scalar<T: ActInt, const TB: usize>(
         for c in c0..c1 {
             for b in 0..CHUNK_BYTES {
                 let byte = w[c * CHUNK_BYTES + b];
-                let (lo, hi) = ((byte & 0xf) as i32, (byte >> 4) as i32);
+                // Folded activations take the whole byte in the low lane.
+                let lo = if T::FOLDED { byte } else { byte & 0xf } as i32;
+                let hi = (byte >> 4) as i32;
                 for (t, a) in acc.iter_mut().enumerate() {
                     let xq = &acts.q[(c * TB + t) * CHUNK_WEIGHTS..];
                     *a += lo * xq[b].into() + hi * xq[16 + b].into();
@@ -367,7 +387,9 @@ mod x86 {
         )
     }
 
-    /// Low and high nibbles of chunk `c` widened to 16 × i16 each.
+    /// The bytes of chunk `c` and their high nibbles, widened to 16 × i16 each (the folded
+    /// activations take the whole byte where the low nibble's activation sits; see
+    /// [`DECODE_ACT_MAX`]).
     ///
     /// # Safety
     /// Chunk `c` must lie inside the row `w` points to.
@@ -376,16 +398,13 @@ mod x86 {
     unsafe fn decode_avx2(w: *const u8, c: usize) -> (__m256i, __m256i) {
         // The 16 bytes in both 128-bit halves (a load, no shuffle), then one in-lane `vpshufb`
         // zero-extends bytes 0..8 into the low half's 16-bit lanes and 8..16 into the high
-        // half's: each lane holds `lo + 16 · hi`, split with one AND and one shift. (Two
-        // `vpmovzxbw`, cross-lane, cost 3 cycles per chunk on Zen 3; this costs ~1.)
+        // half's: each lane holds `lo + 16 · hi`, and one shift gives `hi`. (Two `vpmovzxbw`,
+        // cross-lane, cost 3 cycles per chunk on Zen 3; this costs ~1.)
         let b =
             _mm256_broadcastsi128_si256(_mm_loadu_si128(w.add(c * CHUNK_BYTES) as *const __m128i));
         let spread = spread_bytes_to_words();
         let v = _mm256_shuffle_epi8(b, spread);
-        (
-            _mm256_and_si256(v, _mm256_set1_epi16(0x0f)),
-            _mm256_srli_epi16(v, 4),
-        )
+        (v, _mm256_srli_epi16(v, 4))
     }
 
     /// `vpmaddwd` of a decoded chunk with activation chunk `c` of `x`, summed to 8 × i32.
@@ -691,13 +710,13 @@ mod x86 {
         "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
     );
 
-    /// Chunk `c` as 32 × i16 in the activations' lane order, lanes 0..16 the low nibbles of
-    /// bytes 0..16 and lanes 16..32 the high nibbles times 16: the 16 bytes broadcast to the
-    /// four 128-bit lanes (a load, no shuffle), one in-lane `vpshufb` that zero-extends bytes
-    /// 0..8 into 128-bit lanes 0 and 2 and bytes 8..16 into lanes 1 and 3, and one AND that
-    /// keeps `0x0f` of the low half and `0xf0` of the high half. No shift and one shuffle (the
-    /// cross-lane `vpmovzxbw` needs a shift and an insert besides); the ×16 is undone exactly
-    /// once per group in [`group_sums_avx512`].
+    /// Chunk `c` as 32 × i16 in the activations' lane order, lanes 0..16 bytes 0..16 whole (the
+    /// folded activations' pairing, see [`DECODE_ACT_MAX`]) and lanes 16..32 their high nibbles
+    /// times 16: the 16 bytes broadcast to the four 128-bit lanes (a load, no shuffle), one
+    /// in-lane `vpshufb` that zero-extends bytes 0..8 into 128-bit lanes 0 and 2 and bytes
+    /// 8..16 into lanes 1 and 3, and one AND that keeps `0xf0` of the high half (and all of
+    /// the low half). No shift and one shuffle (the cross-lane `vpmovzxbw` needs a shift and an
+    /// insert besides); the ×16 is undone exactly once per group in [`group_sums_avx512`].
     ///
     /// # Safety
     /// Chunk `c` must lie inside the row `w` points to.
@@ -708,7 +727,7 @@ mod x86 {
         let spread = spread_bytes_to_words();
         let spread = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(spread), spread);
         let mask = _mm512_inserti64x4::<1>(
-            _mm512_castsi256_si512(_mm256_set1_epi16(0x0f)),
+            _mm512_castsi256_si512(_mm256_set1_epi16(0xff)),
             _mm256_set1_epi16(0xf0),
         );
         _mm512_and_si512(_mm512_shuffle_epi8(b, spread), mask)
@@ -859,9 +878,18 @@ fn block_scalar<T: ActInt, const TB: usize>(
 }
 
 impl ActInt for i16 {
-    const MAX: f32 = 32767.0;
+    const MAX: f32 = DECODE_ACT_MAX as f32;
     fn from_level(v: i32) -> Self {
-        v.clamp(-32767, 32767) as i16
+        let max = DECODE_ACT_MAX as i32;
+        v.clamp(-max, max) as i16
+    }
+    const FOLDED: bool = true;
+    fn fold(chunk: &mut [Self]) {
+        let (lo, hi) = chunk.split_at_mut(CHUNK_WEIGHTS / 2);
+        for (h, &l) in hi.iter_mut().zip(lo.iter()) {
+            // |b − 16 · a| ≤ 17 · DECODE_ACT_MAX ≤ 32767.
+            *h -= 16 * l;
+        }
     }
     fn token_block(isa: CpuIsa) -> usize {
         // 32 vector registers on AVX-512, 16 otherwise.
@@ -896,6 +924,8 @@ impl ActInt for i8 {
     fn from_level(v: i32) -> Self {
         v.clamp(-127, 127) as i8
     }
+    const FOLDED: bool = false;
+    fn fold(_chunk: &mut [Self]) {}
     fn token_block(isa: CpuIsa) -> usize {
         match isa {
             CpuIsa::Scalar => 4,
