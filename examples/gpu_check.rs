@@ -1,8 +1,9 @@
 //! One-call GPU check of the CUDA W4A16 routed-experts kernels (needs `--features cuda`).
 //!
 //! 1. Device facts and the measured device-to-device copy bandwidth (bytes read + written).
-//! 2. Correctness of both kernel paths against the CPU reference kernel on fresh random slabs,
-//!    activations and routings: OLMoE (H2048, I1024, E64, k8) and Qwen1.5-MoE (H2048, I1408, E60,
+//! 2. Correctness of both kernel paths against F32 matmuls on the dequantized slabs (the dense
+//!    oracle; the CPU INT4 kernel rounds activations) on fresh random slabs, activations and
+//!    routings: OLMoE (H2048, I1024, E64, k8) and Qwen1.5-MoE (H2048, I1408, E60,
 //!    k4) shapes, T ∈ {1, 4, 16, 128, 1024}, groups {64, 128, 256}, BF16 activations (F16 and F32
 //!    at group 128), every output and scratch buffer NaN-poisoned before the launch, a second run
 //!    compared bit for bit.
@@ -28,7 +29,7 @@ use candle::{DType, Device, Tensor, D};
 use candle_qmoe::kernels::cuda::{CudaPath, DeviceExperts};
 use candle_qmoe::pack::{ExpertLayout, GroupSize, LayerPack};
 use candle_qmoe::synthetic::{gaussian, random_layer_pack, random_routing};
-use candle_qmoe::{Int4Experts, RoutedExperts};
+use candle_qmoe::{DenseExperts, Int4Experts, RoutedExperts};
 use clap::Parser;
 use half::bf16;
 use rayon::prelude::*;
@@ -261,13 +262,13 @@ fn tolerance(dtype: DType) -> f64 {
     }
 }
 
-/// One correctness case: both paths (decode only for T ≤ 16) against the CPU kernel.
+/// One correctness case: both paths (decode only for T ≤ 16) against the dense F32 oracle.
 #[allow(clippy::too_many_arguments)]
 fn check_case(
     dev: &Device,
     m: Model,
     group: usize,
-    int4: &Int4Experts,
+    oracle: &DenseExperts,
     experts: &Arc<DeviceExperts>,
     tokens: usize,
     dtype: DType,
@@ -286,7 +287,7 @@ fn check_case(
         let (ids, w) = random_routing(seed ^ 0xabc, tokens, m.k, m.experts);
         let ids = Tensor::from_vec(ids, (tokens, m.k), &cpu)?;
         let w = Tensor::from_vec(w, (tokens, m.k), &cpu)?;
-        let want = int4
+        let want = oracle
             .forward(&x, &ids, &w)?
             .flatten_all()?
             .to_vec1::<f32>()?;
@@ -595,8 +596,8 @@ fn main() -> Result<()> {
         for &group in group_set {
             let t0 = Instant::now();
             let pack = random_layer_pack(seed * 7919, layout(m, group)?, m.experts)?;
-            let int4 = Int4Experts::new(pack);
-            let experts = int4.device_experts(&cdev)?;
+            let oracle = DenseExperts::new(pack.dequantize_experts(DType::F32, &Device::Cpu)?)?;
+            let experts = Int4Experts::new(pack).device_experts(&cdev)?;
             for &tokens in token_set {
                 let dtypes: &[DType] = if group == 128 {
                     &[DType::BF16, DType::F16, DType::F32]
@@ -605,7 +606,7 @@ fn main() -> Result<()> {
                 };
                 for &dtype in dtypes {
                     seed += 1;
-                    for r in check_case(&dev, m, group, &int4, &experts, tokens, dtype, seed) {
+                    for r in check_case(&dev, m, group, &oracle, &experts, tokens, dtype, seed) {
                         let ok = r["pass"].as_bool() == Some(true);
                         eprintln!("{} {}", if ok { "PASS" } else { "FAIL" }, r);
                         correctness.push(r);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of the CUDA kernels (docs/architecture.md §9): correctness against the CPU reference,
+# GPU check of the CUDA kernels (docs/architecture.md §9): correctness against the dense F32 oracle,
 # timings against Candle's fused-MoE kernels, the residency sweep; JSON results, a short table.
 #
 #   scripts/gpu-check.sh build         # HERE (no GPU needed): builds the cuda-feature binaries
