@@ -207,12 +207,12 @@ fn main() -> Result<()> {
         Ok(())
     })?;
     let ms: Vec<f64> = times.iter_mut().map(|v| median(v)).collect();
-    // `median` sorted each backend's samples: the first is the least disturbed (on a shared
-    // host, a sibling thread's load can slow a compute-bound sample 1.5×).
+    // The fastest sample is the least disturbed (on a shared host, a sibling thread's load can
+    // slow a compute-bound sample 1.5×).
     let min_ms: std::collections::BTreeMap<&str, f64> = backends
         .iter()
         .zip(&times)
-        .map(|((n, _), v)| (*n, v.first().copied().unwrap_or(f64::NAN)))
+        .map(|((n, _), v)| (*n, v.iter().copied().reduce(f64::min).unwrap_or(f64::NAN)))
         .collect();
     let mut distinct = 0usize;
     for (_, ids, _) in &routings {

@@ -9,8 +9,9 @@
 //! every output and scratch buffer NaN-poisoned, and compares by relative L2 error with F32
 //! matmuls on the dequantized slabs (`DenseExperts`) and the same (dtype-rounded) activations —
 //! not with the CPU INT4 kernel, which rounds activations to 1927 levels (decode) or 8 bits
-//! (prefill) and would set the error floor above the F32 tolerance; it also checks that a second run is
-//! bit-identical and, for some cases, that a permuted expert → slot table gives the same result.
+//! (prefill) and would set the error floor above the F32 tolerance; it also checks that a
+//! second run is bit-identical and, for some cases, that a permuted expert → slot table gives
+//! the same result.
 //!
 //! `graph::moe_decode_step` captures a whole decode step of a MoE layer (router, softmax, top-k on
 //! the device, both decode kernels) into a CUDA graph, which fails on any host synchronisation,

@@ -272,11 +272,11 @@ fn packed(name: &str, group: GroupSize) -> PackedExperts {
 /// |Δlogit| 1.5e-3–3.0e-3 and KL 7e-8–2.3e-7 on every fixture (at 32767 levels, 17× finer, the
 /// max |Δlogit| was 8e-5–3.4e-4); the bounds, 1e-2 and 1e-6, leave 3× and 4×. Top-1 agreement
 /// is printed, not asserted there: an argmax can only flip where the oracle's top two logits
-/// are closer than 2 × max |Δlogit| (< 2e-2), and the random fixtures have such near-ties. Longer calls (prompt 1 has 33 tokens) round
-/// activations to `i8` per group: a relative error of ~1% per projection
-/// (tests/routed_experts.rs), through two layers. Measured KL 2e-5–8e-4 (max |Δlogit| ≤ 0.6), and
-/// 1.9e-3 / 3.2e-3 (max ≈ 1) on mixtral-tiny g128 / g256, whose top-2 routing amplifies small
-/// changes: the bound, 4e-3, is an eighth of what INT4 weights cost on Mixtral's fixture (~3e-2)
+/// are closer than 2 × max |Δlogit| (< 2e-2), and the random fixtures have such near-ties.
+/// Longer calls (prompt 1 has 33 tokens) round activations to `i8` per group: a relative error
+/// of ~1% per projection (tests/routed_experts.rs), through two layers. Measured KL 2e-5–8e-4
+/// (max |Δlogit| ≤ 0.6), and 1.9e-3 / 3.2e-3 (max ≈ 1) on mixtral-tiny g128 / g256, whose top-2
+/// routing amplifies small changes: the bound, 4e-3, is an eighth of what INT4 weights cost on Mixtral's fixture (~3e-2)
 /// and under half of the others' (~1e-2, `int4_*` above), with top-1 agreeing on at least 90% of
 /// the positions.
 #[test]
