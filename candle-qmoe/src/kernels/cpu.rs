@@ -366,7 +366,7 @@ fn dot_scalar<T: ActInt, const TB: usize>(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
-    use crate::kernels::x86_simd::{f16_bits_to_f32, hsum256, hsum_lanes, PREFETCH_BYTES};
+    use crate::kernels::x86_simd::{f16_bits_to_f32, hsum256, hsum_lanes, prefetch_stream};
     use std::arch::x86_64::*;
 
     /// FP16 scale `g` of a row, converted with one F16C instruction.
@@ -442,9 +442,7 @@ mod x86 {
             for (row, &w) in acc.iter_mut().zip(&wp) {
                 if (c * CHUNK_BYTES).is_multiple_of(64) {
                     // Rows are contiguous: fetch ahead across row ends (never faults).
-                    _mm_prefetch::<_MM_HINT_T0>(
-                        w.wrapping_add(c * CHUNK_BYTES + PREFETCH_BYTES) as *const i8
-                    );
+                    prefetch_stream(w.wrapping_add(c * CHUNK_BYTES));
                 }
                 let wq = decode_avx2(w, c);
                 for (t, a) in row.iter_mut().enumerate() {
@@ -666,9 +664,7 @@ mod x86 {
                         if c % 4 == 0 {
                             // Rows of a block are contiguous: fetch ahead across row ends
                             // (never faults).
-                            _mm_prefetch::<_MM_HINT_T0>(
-                                wp.wrapping_add(c * CHUNK_BYTES + PREFETCH_BYTES) as *const i8,
-                            );
+                            prefetch_stream(wp.wrapping_add(c * CHUNK_BYTES));
                         }
                         // SAFETY: `shape.check` proved chunk `c` lies inside `w` and every `q`.
                         let wq = nibble_bytes_avx2(wp, c);
@@ -755,9 +751,7 @@ mod x86 {
             for (row, &w) in acc.iter_mut().zip(&wp) {
                 if (c * CHUNK_BYTES).is_multiple_of(64) {
                     // Rows are contiguous: fetch ahead across row ends (never faults).
-                    _mm_prefetch::<_MM_HINT_T0>(
-                        w.wrapping_add(c * CHUNK_BYTES + PREFETCH_BYTES) as *const i8
-                    );
+                    prefetch_stream(w.wrapping_add(c * CHUNK_BYTES));
                 }
                 let wq = decode_avx512(w, c);
                 for (t, a) in row.iter_mut().enumerate() {
