@@ -366,7 +366,9 @@ fn dot_scalar<T: ActInt, const TB: usize>(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
-    use crate::kernels::x86_simd::{f16_bits_to_f32, hsum256, hsum_lanes, prefetch_stream};
+    use crate::kernels::x86_simd::{
+        f16_bits_to_f32, hsum256, hsum_lanes, prefetch_stream, STREAM_AHEAD_BYTES,
+    };
     use std::arch::x86_64::*;
 
     /// FP16 scale `g` of a row, converted with one F16C instruction.
@@ -663,8 +665,11 @@ mod x86 {
                     for c in c0..c1 {
                         if c % 4 == 0 {
                             // Rows of a block are contiguous: fetch ahead across row ends
-                            // (never faults).
-                            prefetch_stream(wp.wrapping_add(c * CHUNK_BYTES));
+                            // (never faults). Prefill reads each row once per token block,
+                            // mostly from cache: one prefetch per line, straight into L1.
+                            _mm_prefetch::<_MM_HINT_T0>(
+                                wp.wrapping_add(c * CHUNK_BYTES + STREAM_AHEAD_BYTES) as *const i8,
+                            );
                         }
                         // SAFETY: `shape.check` proved chunk `c` lies inside `w` and every `q`.
                         let wq = nibble_bytes_avx2(wp, c);

@@ -118,6 +118,13 @@ macro_rules! dense_simd {
                 while c < body {
                     let xv: [$V; T] = std::array::from_fn(|t| load_x(x.add(t * k + c)));
                     for (r, a) in acc.iter_mut().enumerate() {
+                        if T == 1 && c % 32 == 0 {
+                            // Decode: this row's place in the next row group, into L2, once per
+                            // 64-byte line (never faults, past the end of `w` too). Tiles of
+                            // several tokens read each row group once per tile from cache.
+                            let ahead = w.wrapping_add((r + R) * k + c);
+                            _mm_prefetch::<_MM_HINT_T2>(ahead as *const i8);
+                        }
                         let wv = load_w(w.add(r * k + c));
                         for (t, at) in a.iter_mut().enumerate() {
                             *at = fma(wv, xv[t], *at);

@@ -19,27 +19,28 @@ use crate::QmoeError;
 pub(crate) mod x86_simd {
     use std::arch::x86_64::*;
 
-    /// How far ahead of the current position the INT4 kernels fetch their weight stream into
-    /// L2 (one sequential stream per task; the INT8 kernel's tiles prefetch one tile ahead
+    /// How far ahead of the current position the INT4 kernels prefetch their weight stream
+    /// (one sequential stream per task; the INT8 kernel's tiles prefetch one tile ahead
     /// instead).
-    pub(crate) const PREFETCH_L2_BYTES: usize = 4096;
+    pub(crate) const STREAM_AHEAD_BYTES: usize = 4096;
 
-    /// How far ahead the INT4 kernels then fetch the stream from L2 into L1.
-    pub(crate) const PREFETCH_L1_BYTES: usize = 512;
+    /// How far ahead the INT4 decode kernels then fetch the stream from L2 into L1.
+    pub(crate) const STREAM_L1_BYTES: usize = 512;
 
-    /// Prefetches the weight stream that continues at `p` (call once per 64-byte line): the
-    /// line [`PREFETCH_L2_BYTES`] ahead into L2, the one [`PREFETCH_L1_BYTES`] ahead into L1.
-    /// Fetching from DRAM straight into L1 holds one of L1's few miss buffers per line for a
-    /// whole DRAM latency; on a Zen 4 EPYC, whose cores compute the INT4 kernels slower than
-    /// they read DRAM, that left the core waiting on memory instead of computing under it
-    /// (one OLMoE layer at T = 1 on 2 threads: 0.99 ms against 1.59 ms for one T0 prefetch
-    /// 4 KiB ahead). Never faults, so it may run past the end of the weights.
+    /// Prefetches the weight stream that continues at `p` for the INT4 decode kernels (call
+    /// once per 64-byte line): the line [`STREAM_AHEAD_BYTES`] ahead into L2, the one
+    /// [`STREAM_L1_BYTES`] ahead into L1. Fetching from DRAM straight into L1 holds one of L1's
+    /// few miss buffers per line for a whole DRAM latency; on a Zen 4 EPYC, whose cores
+    /// compute the INT4 kernels slower than they read DRAM, that left the core waiting on
+    /// memory instead of computing under it (one OLMoE layer at T = 1 on 2 threads: 0.99 ms
+    /// against 1.59 ms for one T0 prefetch 4 KiB ahead). Never faults, so it may run past the
+    /// end of the weights.
     #[inline(always)]
     pub(crate) fn prefetch_stream(p: *const u8) {
         // SAFETY: a prefetch reads nothing architecturally; SSE is part of x86-64.
         unsafe {
-            _mm_prefetch::<_MM_HINT_T2>(p.wrapping_add(PREFETCH_L2_BYTES) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_L1_BYTES) as *const i8);
+            _mm_prefetch::<_MM_HINT_T2>(p.wrapping_add(STREAM_AHEAD_BYTES) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(STREAM_L1_BYTES) as *const i8);
         }
     }
 
