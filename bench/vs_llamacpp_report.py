@@ -350,7 +350,8 @@ def main() -> None:
             "figure after its own reset next to it",
             "depth > 0: both decode after depth tokens of context (llama-bench -p 0 -d depth; "
             "our bench --prompt-tokens depth), so the KV cache read per token grows with it (ours "
-            "F32, llama.cpp's F16 by default: settings.type_k/type_v); no prompt rates compared",
+            "BF16, F32 only under --dtype f32; llama.cpp's F16 by default: "
+            "settings.type_k/type_v); no prompt rates compared",
             "llama.cpp repacks Q4_0 and Q4_K weights for the CPU's SIMD at load (settings.repack): "
             "its peak RSS holds the file's mmapped pages plus the repacked copy, and decoding "
             "reads the repacked copy (the same number of bytes)",
