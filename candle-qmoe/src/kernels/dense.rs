@@ -123,7 +123,7 @@ macro_rules! dense_simd {
                             // 64-byte line (never faults, past the end of `w` too). Tiles of
                             // several tokens read each row group once per tile from cache.
                             let ahead = w.wrapping_add((r + R) * k + c);
-                            _mm_prefetch::<_MM_HINT_T2>(ahead as *const i8);
+                            crate::kernels::x86_simd::prefetch_l2(ahead as *const u8);
                         }
                         let wv = load_w(w.add(r * k + c));
                         for (t, at) in a.iter_mut().enumerate() {
@@ -597,15 +597,13 @@ mod x86_int8 {
     /// loaded — for all but the last rows, and the next tile's other rows then arrive late:
     /// 200 MB of 2048 × 2048 INT8 matrices at M = 1 read 11–13 GB/s on AVX2 that way against
     /// 17–18 now, as fast as the BF16 kernel reads its twice as many bytes.) Into L2
-    /// (`prefetcht2`), whose miss queue carries the stream; a prefetch into L1 holds one of its
-    /// few miss buffers for a whole DRAM latency (Zen 4 EPYC, `bench --dense-weights int8`, 5
-    /// pairs alternating with `prefetcht0`: 1.17× tok/s median). Never faults, past the end of
-    /// the matrix too.
+    /// ([`prefetch_l2`](crate::kernels::x86_simd::prefetch_l2); Zen 4 EPYC, `bench
+    /// --dense-weights int8`, 5 pairs alternating with `prefetcht0`: 1.17× tok/s median).
+    /// Never faults, past the end of the matrix too.
     #[inline(always)]
     fn prefetch_next_tile<const R: usize>(w: &Int8Rows, at: usize) {
         let ahead = w.q.as_ptr().wrapping_add(at + R * w.groups * INT8_GROUP);
-        // SAFETY: a prefetch reads nothing architecturally; SSE is part of x86-64.
-        unsafe { _mm_prefetch::<_MM_HINT_T2>(ahead) };
+        crate::kernels::x86_simd::prefetch_l2(ahead as *const u8);
     }
 
     /// The scales of groups `g0..g0 + 8` (zero past the row's end): `ws_r · xs_t` in F32 for
