@@ -31,6 +31,10 @@ enum Shape {
     /// in a 2 MB L2 (in L3 where L2 is smaller): the kernels' compute rate, which sets the
     /// pace on machines whose cores, not their memory, are the limit.
     Cached,
+    /// OLMoE's matrices (H 2048, I 1024), 2 experts, top-2: 6.5 MB that every call reads whole,
+    /// resident in a 32 MB L3: the compute rate at OLMoE's row lengths (`cached`'s down rows
+    /// hold two groups, so its per-row costs weigh more than a real layer's).
+    L3,
 }
 
 impl Shape {
@@ -46,6 +50,15 @@ impl Shape {
                     intermediate: 256,
                     experts: 4,
                     top_k: 4,
+                },
+            ),
+            Self::L3 => (
+                "l3",
+                MoeShape {
+                    hidden: 2048,
+                    intermediate: 1024,
+                    experts: 2,
+                    top_k: 2,
                 },
             ),
         }
@@ -140,7 +153,7 @@ fn main() -> Result<()> {
     let q4_0 = GgmlExperts::quantize(&dense, GgmlDType::Q4_0)?;
 
     // Distinct routings, cycled, so that repeated calls do not find the experts in cache (but
-    // for `--shape cached`, whose every call reads all its experts).
+    // for `--shape cached` and `l3`, whose every call reads all its experts).
     let routings: Vec<(Tensor, Tensor, Tensor)> = (0..8u64)
         .map(|r| {
             let seed = args.seed + 1000 * (r + 1);

@@ -156,6 +156,17 @@ trait ActInt: Copy + Default + Send + Sync + Into<i32> {
     /// Most activation rows sharing one pass over a weight row on `isa`: as many as keep the
     /// accumulators in registers.
     fn token_block(isa: CpuIsa) -> usize;
+    /// The instruction set whose kernel computes groups of `chunks_per_group` chunks when
+    /// `isa` is chosen (the same bits either way).
+    fn kernel_isa(isa: CpuIsa, chunks_per_group: usize) -> CpuIsa {
+        let _ = chunks_per_group;
+        isa
+    }
+    /// Whether `isa`'s kernel takes its activations in word blocks ([`WORD_BLOCK_CHUNKS`]).
+    fn word_blocks(isa: CpuIsa) -> bool {
+        let _ = isa;
+        false
+    }
     /// `out[r · TB + t] = row_{rows.start + r} · acts[t]` for a block of rows of `m`.
     fn block<const TB: usize>(
         isa: CpuIsa,
@@ -180,14 +191,29 @@ struct QuantActs<T> {
 /// Most activation rows in one [`ActBlock`].
 const MAX_TOKEN_BLOCK: usize = 8;
 
+/// Chunks in one word block: the AVX-512 decode kernel reads a row 64 bytes at a time as 32
+/// little-endian 16-bit words, word `k` of 128-bit lane `l` holding bytes `2k` and `2k + 1` of
+/// the block's chunk `l`, and splits them into four vectors: even bytes whole, odd bytes whole,
+/// even bytes' high nibbles, odd bytes' high nibbles. Its activations come in the matching
+/// order: per block and activation row, [`WORD_BLOCK_WEIGHTS`] levels, 32 per vector, lane
+/// `8l + k` of each taking chunk `l`'s activation of byte `2k` (low lane, folded), `2k + 1`
+/// (low), `2k` (high) and `2k + 1` (high). Groups of at least this many chunks (128 and 256
+/// weights) start on a block; a group's short tail ends in a block padded with zeros.
+const WORD_BLOCK_CHUNKS: usize = 4;
+
+/// Activation levels per row of one word block ([`WORD_BLOCK_CHUNKS`]).
+const WORD_BLOCK_WEIGHTS: usize = WORD_BLOCK_CHUNKS * CHUNK_WEIGHTS;
+
 /// Up to [`MAX_TOKEN_BLOCK`] activation rows interleaved for one pass over a weight row:
 /// chunk `c` of row `t` at `q[(c · tb + t) · 32..]`, so that the kernels address every row from
-/// one pointer, and group `g`'s scale and `−8` correction of row `t` at
+/// one pointer (with `words`, word block `p` of row `t` at `q[(p · tb + t) · 128..]` in the
+/// order of [`WORD_BLOCK_CHUNKS`]), and group `g`'s scale and `−8` correction of row `t` at
 /// `[g · MAX_TOKEN_BLOCK + t]` (zero beyond `tb`), so that one vector load takes a group's;
 /// the same scales row by row at `row_scale[t · groups + g]`, so that one load takes a row's
 /// scales for 8 consecutive groups.
 struct ActBlock<T> {
     tb: usize,
+    words: bool,
     q: Vec<T>,
     scale: Vec<f32>,
     row_scale: Vec<f32>,
@@ -236,15 +262,17 @@ impl<T: ActInt> QuantActs<T> {
         }
     }
 
-    /// Rows `rows` in interleaved blocks of at most `tb_max` rows.
-    fn blocks(&self, rows: &[usize], tb_max: usize) -> Vec<ActBlock<T>> {
+    /// Rows `rows` in interleaved blocks of at most `tb_max` rows, in word blocks if `words`.
+    fn blocks(&self, rows: &[usize], tb_max: usize, words: bool) -> Vec<ActBlock<T>> {
         let (chunks, groups) = (self.padded_cols / CHUNK_WEIGHTS, self.groups);
+        let unit = if words { WORD_BLOCK_CHUNKS } else { 1 };
         rows.chunks(tb_max)
             .map(|rs| {
                 let tb = rs.len();
                 let mut blk = ActBlock {
                     tb,
-                    q: vec![T::default(); chunks * tb * CHUNK_WEIGHTS],
+                    words,
+                    q: vec![T::default(); chunks.div_ceil(unit) * unit * tb * CHUNK_WEIGHTS],
                     scale: vec![0f32; groups * MAX_TOKEN_BLOCK],
                     row_scale: Vec::with_capacity(tb * groups),
                     corr: vec![0i32; groups * MAX_TOKEN_BLOCK],
@@ -252,8 +280,20 @@ impl<T: ActInt> QuantActs<T> {
                 for (t, &r) in rs.iter().enumerate() {
                     let q = &self.q[r * self.padded_cols..(r + 1) * self.padded_cols];
                     for (c, src) in q.chunks_exact(CHUNK_WEIGHTS).enumerate() {
-                        let at = (c * tb + t) * CHUNK_WEIGHTS;
-                        blk.q[at..at + CHUNK_WEIGHTS].copy_from_slice(src);
+                        if words {
+                            let (p, l) = (c / WORD_BLOCK_CHUNKS, c % WORD_BLOCK_CHUNKS);
+                            let at = (p * tb + t) * WORD_BLOCK_WEIGHTS + 8 * l;
+                            for k in 0..8 {
+                                let half = CHUNK_WEIGHTS / 2;
+                                blk.q[at + k] = src[2 * k];
+                                blk.q[at + 32 + k] = src[2 * k + 1];
+                                blk.q[at + 64 + k] = src[half + 2 * k];
+                                blk.q[at + 96 + k] = src[half + 2 * k + 1];
+                            }
+                        } else {
+                            let at = (c * tb + t) * CHUNK_WEIGHTS;
+                            blk.q[at..at + CHUNK_WEIGHTS].copy_from_slice(src);
+                        }
                     }
                     let row_scale = &self.scale[r * groups..(r + 1) * groups];
                     blk.row_scale.extend_from_slice(row_scale);
@@ -319,7 +359,10 @@ impl DotShape {
     /// Checks every slice covers the geometry, so the SIMD loops stay in bounds.
     fn check<T, const TB: usize>(&self, w: &[u8], s: &[u8], acts: &ActBlock<T>) {
         assert!(w.len() >= self.chunks * CHUNK_BYTES && s.len() >= 2 * self.groups);
-        assert!(acts.tb == TB && acts.q.len() >= self.chunks * TB * CHUNK_WEIGHTS);
+        let unit = if acts.words { WORD_BLOCK_CHUNKS } else { 1 };
+        let padded_chunks = self.chunks.div_ceil(unit) * unit;
+        assert!(acts.tb == TB && acts.q.len() >= padded_chunks * TB * CHUNK_WEIGHTS);
+        assert!(!acts.words || self.chunks_per_group >= WORD_BLOCK_CHUNKS);
         let lanes = self.groups * MAX_TOKEN_BLOCK;
         assert!(TB <= MAX_TOKEN_BLOCK && acts.scale.len() >= lanes && acts.corr.len() >= lanes);
         assert!(acts.row_scale.len() >= TB * self.groups);
@@ -338,6 +381,7 @@ fn dot_scalar<T: ActInt, const TB: usize>(
     acts: &ActBlock<T>,
 ) -> [f32; TB] {
     shape.check::<T, TB>(w, s, acts);
+    assert!(!acts.words, "the portable kernel reads the plain layout");
     let mut out = [0f32; TB];
     for gi in 0..shape.groups {
         let c0 = gi * shape.chunks_per_group;
@@ -460,12 +504,14 @@ mod x86 {
     /// Whole runs of 8 groups are scaled together: each group's exact sums are folded per row
     /// and token into one vector (`vphaddd` pairs, lane `j` = group `j`), then one conversion
     /// and one multiply-add per row and token cover the 8 groups, with a row's 8 weight scales
-    /// from one F16C conversion. Remaining groups are scaled one by one. Either way the
+    /// from one F16C conversion. Remaining groups are scaled one by one, each group's exact
+    /// total in lane 0. Either way the
     /// arithmetic of a (row, token) pair does not depend on the other rows or tokens of the
-    /// tile, so its output is the same alone or batched; and as every `$sums` returns the same
-    /// 8 exact integer lanes, every instruction set gives the same bits.
+    /// tile, so its output is the same alone or batched; and as every `$sums` returns 8 integer
+    /// lanes with the same exact total per group, every instruction set gives the same bits.
+    /// `$words`: whether `$sums` takes its activations in word blocks ([`WORD_BLOCK_CHUNKS`]).
     macro_rules! row_i16 {
-        ($tile:ident, $groups:ident, $sums:ident, $features:literal) => {
+        ($tile:ident, $groups:ident, $sums:ident, $features:literal, words: $words:literal) => {
             /// `R` rows times a block of `i16` activation rows (see `row_i16!`).
             ///
             /// # Safety
@@ -481,6 +527,7 @@ mod x86 {
                 for (w, s) in rows {
                     shape.check::<i16, TB>(w, s, acts);
                 }
+                assert_eq!(acts.words, $words, "activations in the wrong layout");
                 match shape.chunks_per_group {
                     1 => $groups::<R, TB, 1>(shape, rows, acts),
                     2 => $groups::<R, TB, 2>(shape, rows, acts),
@@ -559,7 +606,11 @@ mod x86 {
                         let sw = scale_f16c(rows[r].1, gi);
                         for t in 0..TB {
                             let f = _mm256_set1_ps(sw * acts.scale[gi * MAX_TOKEN_BLOCK + t]);
-                            let sum = _mm256_cvtepi32_ps(acc[r][t]);
+                            // The group's exact total in lane 0 (zeros elsewhere), as `$sums`
+                            // of different instruction sets split it differently across lanes.
+                            let mut lanes = [_mm256_setzero_si256(); 8];
+                            lanes[0] = acc[r][t];
+                            let sum = _mm256_cvtepi32_ps(hsum_lanes(lanes));
                             facc[r][t] = _mm256_fmadd_ps(sum, f, facc[r][t]);
                         }
                     }
@@ -578,13 +629,15 @@ mod x86 {
         tile_avx2,
         tile_avx2_groups,
         group_sums_avx2,
-        "avx2,fma,f16c"
+        "avx2,fma,f16c",
+        words: false
     );
     row_i16!(
         tile_avx512,
         tile_avx512_groups,
         group_sums_avx512,
-        "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
+        "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c",
+        words: true
     );
 
     /// Chunk `c`'s 32 nibbles as bytes, `[low nibbles | high nibbles]` (the activations' lane
@@ -711,37 +764,45 @@ mod x86 {
         "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
     );
 
-    /// Chunk `c` as 32 × i16 in the activations' lane order, lanes 0..16 bytes 0..16 whole (the
-    /// folded activations' pairing, see [`DECODE_ACT_MAX`]) and lanes 16..32 their high nibbles
-    /// times 16: the 16 bytes broadcast to the four 128-bit lanes (a load, no shuffle), one
-    /// in-lane `vpshufb` that zero-extends bytes 0..8 into 128-bit lanes 0 and 2 and bytes
-    /// 8..16 into lanes 1 and 3, and one AND that keeps `0xf0` of the high half (and all of
-    /// the low half). No shift and one shuffle (the cross-lane `vpmovzxbw` needs a shift and an
-    /// insert besides); the ×16 is undone exactly once per group in [`group_sums_avx512`].
+    /// One 64-byte block of a row (chunks `4j..4j + 4` of the group at `w`) as the four word
+    /// vectors [`WORD_BLOCK_CHUNKS`]'s activation layout pairs with: the 32 little-endian
+    /// 16-bit words of the block, each holding bytes `2k` and `2k + 1` of its chunk, give the
+    /// even byte whole (`& 0xff`), the odd byte whole (`>> 8`), the even byte's high nibble
+    /// (`>> 4 & 0xf`) and the odd byte's (`>> 12`). One load, no shuffle: AND and shift run on
+    /// every vector pipe, where the per-chunk broadcast and `vpshufb` of a byte-to-word spread
+    /// queue on the shuffle pipes. `chunks < 4` (a group's short tail) loads only its bytes,
+    /// so the read never passes the row's end.
     ///
     /// # Safety
-    /// Chunk `c` must lie inside the row `w` points to.
+    /// The block's first `chunks` chunks must lie inside the row `w` points to.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
-    unsafe fn decode_avx512(w: *const u8, c: usize) -> __m512i {
-        let b = _mm512_broadcast_i32x4(_mm_loadu_si128(w.add(c * CHUNK_BYTES) as *const __m128i));
-        let spread = spread_bytes_to_words();
-        let spread = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(spread), spread);
-        let mask = _mm512_inserti64x4::<1>(
-            _mm512_castsi256_si512(_mm256_set1_epi16(0xff)),
-            _mm256_set1_epi16(0xf0),
-        );
-        _mm512_and_si512(_mm512_shuffle_epi8(b, spread), mask)
+    unsafe fn word_block_avx512(w: *const u8, chunks: usize) -> [__m512i; 4] {
+        let v = if chunks >= WORD_BLOCK_CHUNKS {
+            _mm512_loadu_si512(w as *const _)
+        } else {
+            let bytes = chunks * CHUNK_BYTES;
+            _mm512_maskz_loadu_epi8((1u64 << bytes) - 1, w as *const i8)
+        };
+        let (byte, nibble) = (_mm512_set1_epi16(0xff), _mm512_set1_epi16(0x0f));
+        [
+            _mm512_and_si512(v, byte),
+            _mm512_srli_epi16::<8>(v),
+            _mm512_and_si512(_mm512_srli_epi16::<4>(v), nibble),
+            _mm512_srli_epi16::<12>(v),
+        ]
     }
 
-    /// [`group_sums_avx2`] on AVX-512 VNNI: one `vpdpwssd` per chunk and token, then the
-    /// high half (high nibbles, ×16: exact multiples of 16, at most 8 · 2 · 16 · 15 · 32767 <
-    /// 2³¹ per lane) shifted back and added to the low half. Lane `j` of the result then sums
-    /// the same products as lane `j` of [`group_sums_avx2`]: the same integers.
+    /// [`group_sums_avx2`] on AVX-512 VNNI with the activations in word blocks
+    /// ([`WORD_BLOCK_CHUNKS`]): per 64-byte block, row and token four `vpdpwssd` of the word
+    /// vectors of [`word_block_avx512`] (two chains of two, summed), then the two 256-bit
+    /// halves added. The lanes hold other partial sums than [`group_sums_avx2`]'s, but every
+    /// group's total over its 8 lanes is the same exact integer, and the callers only use the
+    /// totals: the same bits.
     ///
     /// # Safety
     /// The CPU must support AVX-512 F/BW/VNNI; every `wp[r]` must point at its row's `n` group
-    /// chunks and `xp` at the group's `n · TB` activation chunks.
+    /// chunks and `xp` at the group's word blocks of `TB` activation rows.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2")]
     unsafe fn group_sums_avx512<const R: usize, const TB: usize>(
@@ -752,25 +813,31 @@ mod x86 {
     ) -> [[__m256i; TB]; R] {
         let mut acc: [[__m512i; TB]; R] =
             [std::array::from_fn(|t| _mm512_zextsi128_si512(_mm_cvtsi32_si128(corr[t]))); R];
-        for c in 0..n {
-            for (row, &w) in acc.iter_mut().zip(&wp) {
-                if (c * CHUNK_BYTES).is_multiple_of(64) {
-                    // Rows are contiguous: fetch ahead across row ends (never faults).
-                    prefetch_stream(w.wrapping_add(c * CHUNK_BYTES));
-                }
-                let wq = decode_avx512(w, c);
-                for (t, a) in row.iter_mut().enumerate() {
-                    let x = _mm512_loadu_si512(xp.add((c * TB + t) * CHUNK_WEIGHTS) as *const _);
-                    *a = _mm512_dpwssd_epi32(*a, wq, x);
+        let mut high = [[_mm512_setzero_si512(); TB]; R];
+        for j in 0..n.div_ceil(WORD_BLOCK_CHUNKS) {
+            let chunks = (n - j * WORD_BLOCK_CHUNKS).min(WORD_BLOCK_CHUNKS);
+            for r in 0..R {
+                let w = wp[r].add(j * WORD_BLOCK_CHUNKS * CHUNK_BYTES);
+                // Rows are contiguous: fetch ahead across row ends (never faults).
+                prefetch_stream(w);
+                let [even, odd, even_hi, odd_hi] = word_block_avx512(w, chunks);
+                for t in 0..TB {
+                    let x = xp.add((j * TB + t) * WORD_BLOCK_WEIGHTS);
+                    let load = |k: usize| _mm512_loadu_si512(x.add(k * 32) as *const _);
+                    let a = _mm512_dpwssd_epi32(acc[r][t], even, load(0));
+                    acc[r][t] = _mm512_dpwssd_epi32(a, odd, load(1));
+                    let h = _mm512_dpwssd_epi32(high[r][t], even_hi, load(2));
+                    high[r][t] = _mm512_dpwssd_epi32(h, odd_hi, load(3));
                 }
             }
         }
         // Loops, not `map`: a closure calling intrinsics is not inlined into `map`.
         let mut sums = [[_mm256_setzero_si256(); TB]; R];
-        for (sums, acc) in sums.iter_mut().zip(&acc) {
-            for (sum, &a) in sums.iter_mut().zip(acc) {
-                let high = _mm512_extracti64x4_epi64::<1>(a);
-                *sum = _mm256_add_epi32(_mm512_castsi512_si256(a), _mm256_srai_epi32::<4>(high));
+        for r in 0..R {
+            for t in 0..TB {
+                let a = _mm512_add_epi32(acc[r][t], high[r][t]);
+                let upper = _mm512_extracti64x4_epi64::<1>(a);
+                sums[r][t] = _mm256_add_epi32(_mm512_castsi512_si256(a), upper);
             }
         }
         sums
@@ -896,6 +963,17 @@ impl ActInt for i16 {
             CpuIsa::Avx512Vnni => 8,
             _ => 4,
         }
+    }
+    /// The AVX-512 decode kernel reads whole word blocks of a group; groups of 32 and 64
+    /// weights take the AVX2 kernel.
+    fn kernel_isa(isa: CpuIsa, chunks_per_group: usize) -> CpuIsa {
+        match isa {
+            CpuIsa::Avx512Vnni if chunks_per_group < WORD_BLOCK_CHUNKS => CpuIsa::Avx2,
+            isa => isa,
+        }
+    }
+    fn word_blocks(isa: CpuIsa) -> bool {
+        isa == CpuIsa::Avx512Vnni
     }
     #[inline]
     fn block<const TB: usize>(
@@ -1097,14 +1175,15 @@ fn routed_forward_as<'a, T: ActInt>(
 
     let rb = row_block(inter, plan.groups.len());
     // Stage 1: h[slot] = silu(gate · x) * (up · x), per (expert, block of intermediate rows).
-    let tb_max = T::token_block(isa);
+    let isa = T::kernel_isa(isa, g / CHUNK_WEIGHTS);
+    let (tb_max, words) = (T::token_block(isa), T::word_blocks(isa));
     let acts = QuantActs::<T>::new(xs, tokens, h, g);
     let act_blocks: Vec<Vec<ActBlock<T>>> = plan
         .groups
         .iter()
         .map(|(_, slots)| {
             let rows: Vec<usize> = slots.iter().map(|&s| s / k).collect();
-            acts.blocks(&rows, tb_max)
+            acts.blocks(&rows, tb_max, words)
         })
         .collect();
     drop(acts);
@@ -1149,7 +1228,7 @@ fn routed_forward_as<'a, T: ActInt>(
     let hidden_blocks: Vec<Vec<ActBlock<T>>> = plan
         .groups
         .iter()
-        .map(|(_, slots)| hq.blocks(slots, tb_max))
+        .map(|(_, slots)| hq.blocks(slots, tb_max, words))
         .collect();
     drop(hq);
     let shape_dn = DotShape::of(layout.down());
