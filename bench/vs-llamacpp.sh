@@ -36,7 +36,9 @@
 # ISA=avx2 (both sides restricted to AVX2 + FMA + F16C, as on a CPU without AVX-512 such as a
 # Zen 3 EPYC: llama.cpp built with GGML_NATIVE=OFF and only those extensions, in
 # $LLAMA_DIR/build-avx2, and our runs with QMOE_CPU_ISA=avx2; default OUT
-# bench/results/vs-llamacpp-cpu-avx2.json).
+# bench/results/vs-llamacpp-cpu-avx2.json), or ISA=noamx (llama.cpp built with every AVX-512
+# extension it uses but without AMX, in $LLAMA_DIR/build-noamx; ours unchanged, it has no AMX
+# path: for a VM that reports AMX but where llama.cpp's AMX kernels die of SIGILL).
 set -euo pipefail
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 2; }
@@ -59,7 +61,8 @@ max_load=${MAX_LOAD:-0.5}
 rounds=${ROUNDS:-1}
 depth=${DEPTH:-0}
 isa=${ISA:-native}
-[[ $isa == native || $isa == avx2 ]] || { echo "error: ISA=$isa: native or avx2" >&2; exit 2; }
+[[ $isa == native || $isa == avx2 || $isa == noamx ]] ||
+  { echo "error: ISA=$isa: native, avx2 or noamx" >&2; exit 2; }
 name=$(basename "$model_dir")
 models=$llama_dir/models/$name
 src=$llama_dir/src/llama_cpp_python-$version/vendor/llama.cpp
@@ -104,6 +107,11 @@ esac
 if [[ $isa == avx2 ]]; then
   isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
     -DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF)
+elif [[ $isa == noamx ]]; then
+  isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+    -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON
+    -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
+    -DGGML_AMX_BF16=OFF)
 else
   isa_flags=(-DGGML_NATIVE=ON)
 fi
@@ -198,7 +206,7 @@ mkdir -p "$run_dir"
 log "timed runs in $run_dir"
 export RAYON_NUM_THREADS=$threads
 our_env="RAYON_NUM_THREADS=$threads"
-if [[ $isa != native ]]; then
+if [[ $isa == avx2 ]]; then
   export QMOE_CPU_ISA=$isa
   our_env+=" QMOE_CPU_ISA=$isa"
 fi
