@@ -88,7 +88,7 @@ fn check_args(args: &Args) -> Result<()> {
 fn main() -> Result<()> {
     let args = Args::parse();
     // The whole run on a thread of rayon's pool (see `on_rayon_pool`).
-    candle_qmoe::generation::on_rayon_pool(move || run(args))
+    candle_qmoe::pool::on_rayon_pool(move || run(args))
 }
 
 fn run(args: Args) -> Result<()> {

@@ -200,7 +200,7 @@ fn main() -> Result<()> {
     // Calls are made from a pool thread, as the models make them (`on_rayon_pool`): from
     // outside, every parallel op would wake the caller when it ends, which the examples and the
     // server never pay (and which made long bursts of small calls 2–4× slower on a VM).
-    candle_qmoe::generation::on_rayon_pool(|| -> Result<()> {
+    candle_qmoe::pool::on_rayon_pool(|| -> Result<()> {
         for it in 0..iters + 2 {
             for (b, (_, backend)) in backends.iter().enumerate() {
                 // Let the previous backend's worker threads park: Candle's CPU thread pool

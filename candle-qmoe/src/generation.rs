@@ -15,16 +15,6 @@ use crate::QmoeError;
 /// Most prompt tokens per forward pass during prefill.
 pub const PREFILL_CHUNK: usize = 512;
 
-/// Runs `f` on a thread of rayon's global pool (the pool every kernel of ours and Candle's CPU
-/// matmul use) while the calling thread sleeps until it returns. A model driven from outside
-/// the pool has one thread more than the cores: every parallel op wakes the caller when it ends,
-/// and idle workers spin beside its serial ops. Driven from a worker, the serial ops run where
-/// the parallel ones start (decode on 2 cores: 17 of 22 alternating runs faster, by 4% on
-/// average; docs/architecture.md §3).
-pub fn on_rayon_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    rayon::scope(|_| f())
-}
-
 /// Runs `prompt` through the model in chunks of at most `chunk` tokens after the tokens already
 /// in its KV cache, and returns the last position's logits (`[vocab]`, F32).
 pub fn prefill(model: &mut MoeForCausalLm, prompt: &[u32], chunk: usize) -> candle::Result<Tensor> {

@@ -12,6 +12,8 @@
 //! * [`models`] — Candle-style OLMoE, Qwen2-MoE, Qwen3-MoE and Mixtral ports on [`SparseMoe`],
 //!   checkpoint loading, fingerprints and `.qmoe` packs of a checkpoint's experts.
 //! * [`generation`] — the generation loop with prefill/decode timings.
+//! * [`pool`] — rayon's pool, where the CPU kernels run: driving a model from it, and its
+//!   workers kept awake through a model step.
 //! * [`parity`] — fidelity metrics against a transformers golden file.
 //! * [`plan`] — memory prediction per component and the fit of the expert cache to a budget.
 //! * [`synthetic`] — deterministic random weights and routings with realistic scales, and whole
@@ -81,6 +83,7 @@ pub mod moe;
 pub mod pack;
 pub mod parity;
 pub mod plan;
+pub mod pool;
 pub mod residency;
 pub mod safetensors_writer;
 pub mod synthetic;

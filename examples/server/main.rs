@@ -145,7 +145,7 @@ fn main() -> Result<()> {
             .name("engine".into())
             .spawn(move || {
                 // The model's steps on a thread of rayon's pool (see `on_rayon_pool`).
-                candle_qmoe::generation::on_rayon_pool(move || {
+                candle_qmoe::pool::on_rayon_pool(move || {
                     Engine::new(model, &tokenizer, config, requests, metrics, cancel).run()
                 })
             })?

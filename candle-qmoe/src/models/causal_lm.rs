@@ -13,6 +13,7 @@ use super::layers::{
 };
 use crate::linear::{activation_dtype, DenseLinear};
 use crate::moe::ExpertTraffic;
+use crate::pool;
 use crate::{QmoeError, SparseMoe};
 
 /// The KV caches of one sequence, for every layer of a model (made by
@@ -315,11 +316,14 @@ impl MoeForCausalLm {
                 }
             })
             .collect();
-        let (xs, _) = self.step(&ids, &mut parts, false)?;
-        let last: Vec<u32> = parts.iter().map(|p| (p.start + p.len - 1) as u32).collect();
-        let last = Tensor::new(last.as_slice(), &self.device)?;
-        let logits = self.logits(&xs.index_select(&last, 1)?)?.squeeze(0)?;
-        (0..parts.len()).map(|i| logits.get(i)).collect()
+        let this = &*self;
+        this.on_pool(|| {
+            let (xs, _) = this.step(&ids, &mut parts, false)?;
+            let last: Vec<u32> = parts.iter().map(|p| (p.start + p.len - 1) as u32).collect();
+            let last = Tensor::new(last.as_slice(), &this.device)?;
+            let logits = this.logits(&xs.index_select(&last, 1)?)?.squeeze(0)?;
+            (0..parts.len()).map(|i| logits.get(i)).collect()
+        })
     }
 
     /// One step over `ids [B, N]`, whose parts belong to the sequences of `parts`: embeddings,
@@ -382,6 +386,15 @@ impl MoeForCausalLm {
         out
     }
 
+    /// Runs one pass `f` on rayon's pool with its workers awake ([`pool::with_workers_awake`])
+    /// when the model computes on the CPU; elsewhere `f` runs as it is.
+    fn on_pool<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        match self.device {
+            Device::Cpu => pool::with_workers_awake(f),
+            _ => f(),
+        }
+    }
+
     /// Final norm and `lm_head` of hidden states `[B, S, H]`: logits `[B, S, vocab]` (F32).
     fn logits(&self, xs: &Tensor) -> candle::Result<Tensor> {
         self.lm_head
@@ -405,22 +418,25 @@ impl MoeForCausalLm {
             start: 0,
             len: s,
         };
-        let out = self.step(input_ids, &mut [part], want_router);
+        let this = &*self;
+        let out = this.on_pool(|| {
+            let (mut xs, router_logits) = this.step(input_ids, &mut [part], want_router)?;
+            if last_only {
+                xs = xs.narrow(1, s - 1, 1)?;
+            }
+            let logits = this.logits(&xs)?;
+            let logits = if last_only {
+                logits.squeeze(1)?
+            } else {
+                logits
+            };
+            Ok(Pass {
+                logits,
+                router_logits,
+            })
+        });
         self.cache = cache;
-        let (mut xs, router_logits) = out?;
-        if last_only {
-            xs = xs.narrow(1, s - 1, 1)?;
-        }
-        let logits = self.logits(&xs)?;
-        let logits = if last_only {
-            logits.squeeze(1)?
-        } else {
-            logits
-        };
-        Ok(Pass {
-            logits,
-            router_logits,
-        })
+        out
     }
 
     /// Empties every layer's KV cache; the next call starts at `seqlen_offset = 0`.
