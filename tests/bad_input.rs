@@ -655,7 +655,8 @@ fn unsupported_families_are_refused_naming_the_type() {
 
 /// A pack whose expert 5 of layer 1 has 200 bytes overwritten loads (only the header is read),
 /// computes with the other experts, and refuses the damaged one when it is first read — by the
-/// CPU kernel, by a residency miss, or by an eager `verify` — naming the file, layer and expert.
+/// CPU kernel, by a residency miss, or by an eager `verify`, mapped or read into memory —
+/// naming the file, layer and expert.
 #[test]
 fn a_corrupt_expert_is_refused_when_first_read() {
     let (dir, path, mut st, layout) = tiny_pack_in("lazy");
@@ -715,6 +716,18 @@ fn a_corrupt_expert_is_refused_when_first_read() {
 
     // Eagerly: every slab at once.
     expect(&PackFile::open(&path).unwrap().verify().unwrap_err());
+
+    // Read into memory at open: the same checks, on first use and eagerly.
+    let read = PackFile::open_in_memory(&path).unwrap();
+    let cpu = Int4Experts::new(read.layer(1).unwrap());
+    cpu.forward(&xs, &good, &w).unwrap();
+    expect_inside(cpu.forward(&xs, &bad, &w).unwrap_err());
+    expect(
+        &PackFile::open_in_memory(&path)
+            .unwrap()
+            .verify()
+            .unwrap_err(),
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -95,15 +95,28 @@ fn written_pack_loads_the_same_model_as_in_process_int4() {
             );
         }
 
-        let experts = PackedExperts::for_checkpoint(Arc::new(opened), &dir).unwrap();
-        let mut from_file = load(&dir, &experts).unwrap();
+        // Read into this process's memory at open: the same bytes.
+        let read = PackFile::open_in_memory(&path).unwrap();
+        assert_eq!(read.meta(), &meta);
+        for i in [0, 1] {
+            assert_eq!(
+                read.layer(i).unwrap().bytes(),
+                pack.layer(i).unwrap().bytes()
+            );
+        }
+
         let mut in_process =
             load(&dir, &ExpertsBackend::int4(GroupSize::new(64).unwrap())).unwrap();
-        assert_eq!(
-            logits(&mut from_file),
-            logits(&mut in_process),
-            "{name}: logits with the pack file differ from in-process INT4"
-        );
+        let want = logits(&mut in_process);
+        for (how, file) in [("mapped", opened), ("read into memory", read)] {
+            let experts = PackedExperts::for_checkpoint(Arc::new(file), &dir).unwrap();
+            let mut from_file = load(&dir, &experts).unwrap();
+            assert_eq!(
+                logits(&mut from_file),
+                want,
+                "{name}: logits with the pack file ({how}) differ from in-process INT4"
+            );
+        }
     }
     std::fs::remove_dir_all(&tmp).unwrap();
 }

@@ -246,6 +246,19 @@ impl PackFile {
 
     /// Memory-maps and validates a `.qmoe` file.
     pub fn open(path: &Path) -> crate::Result<Self> {
+        Self::open_as(path, false)
+    }
+
+    /// [`PackFile::open`], then every layer's slabs read into anonymous memory of this process
+    /// (one read per layer; the file stays mapped for its header only). Decoding then streams
+    /// the process's own memory: OLMoE-1B-7B on a 2-vCPU Xeon decoded 1.1× faster than from
+    /// the mapped file, for a load that reads the whole pack first (docs/architecture.md §2).
+    /// The process's resident memory is the same as a mapped pack whose every expert was used.
+    pub fn open_in_memory(path: &Path) -> crate::Result<Self> {
+        Self::open_as(path, true)
+    }
+
+    fn open_as(path: &Path, in_memory: bool) -> crate::Result<Self> {
         let file = std::fs::File::open(path).map_err(|source| QmoeError::Io {
             path: path.to_path_buf(),
             source,
@@ -355,8 +368,16 @@ impl PackFile {
                 path: path.to_path_buf(),
                 layer: i,
             };
-            let pack = LayerPack::from_mmap(layout, experts, map.clone(), range, sums, origin)
+            let mut pack = LayerPack::from_mmap(layout, experts, map.clone(), range, sums, origin)
                 .map_err(|e| in_file(path, e))?;
+            if in_memory {
+                pack = pack
+                    .read_into_memory(&file)
+                    .map_err(|source| QmoeError::Io {
+                        path: path.to_path_buf(),
+                        source,
+                    })?;
+            }
             if layers.insert(i, pack).is_some() {
                 return Err(bad(
                     path,

@@ -287,11 +287,13 @@ impl<'a> SlabView<'a> {
     }
 }
 
-/// Bytes of a layer's slabs: owned, or a range of a memory-mapped `.qmoe` file.
+/// Bytes of a layer's slabs: owned, a range of a memory-mapped `.qmoe` file, or read from such
+/// a file into anonymous memory of this process ([`LayerPack::read_into_memory`]).
 #[derive(Clone, Debug)]
 enum PackBytes {
     Owned(Arc<[u8]>),
     Mapped(Arc<memmap2::Mmap>, std::ops::Range<usize>),
+    Anonymous(Arc<memmap2::Mmap>),
 }
 
 impl PackBytes {
@@ -299,6 +301,7 @@ impl PackBytes {
         match self {
             PackBytes::Owned(b) => b,
             PackBytes::Mapped(m, r) => &m[r.clone()],
+            PackBytes::Anonymous(m) => m,
         }
     }
 }
@@ -490,6 +493,33 @@ impl LayerPack {
     /// Verifies every slab not verified yet.
     pub fn verify(&self) -> crate::Result<()> {
         self.verify_experts(0..self.num_experts)
+    }
+
+    /// This layer with its slabs read from `file`, the `.qmoe` file it is mapped from, into
+    /// anonymous memory of this process (transparent huge pages asked for): no page of the file
+    /// stays mapped, and the kernels stream the process's own memory, which decoded OLMoE 1.1×
+    /// faster than the mapped file on 2-vCPU VMs (docs/architecture.md §2). The checksums are
+    /// still checked on first use. Owned or already read layers are returned as they are.
+    pub(crate) fn read_into_memory(&self, file: &std::fs::File) -> std::io::Result<Self> {
+        let PackBytes::Mapped(map, range) = &self.bytes else {
+            return Ok(self.clone());
+        };
+        let mut anon = memmap2::MmapMut::map_anon(range.len())?;
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::FileExt;
+            let _ = map;
+            file.read_exact_at(&mut anon, range.start as u64)?;
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = file;
+            anon.copy_from_slice(&map[range.clone()]);
+        }
+        Ok(Self {
+            bytes: PackBytes::Anonymous(Arc::new(anon.make_read_only()?)),
+            ..self.clone()
+        })
     }
 
     /// Hands the pages of a memory-mapped layer back to the system: they leave this process's
