@@ -504,7 +504,12 @@ impl LayerPack {
         let PackBytes::Mapped(map, range) = &self.bytes else {
             return Ok(self.clone());
         };
-        let mut anon = memmap2::MmapMut::map_anon(range.len())?;
+        // Faulted in by the kernel in one go (MAP_POPULATE): on a 2-vCPU VM, 3.3 GB of OLMoE
+        // slabs read in 1.8–1.9 s against 2.2–5.3 s when each page faulted under the read.
+        let mut anon = memmap2::MmapOptions::new()
+            .len(range.len())
+            .populate()
+            .map_anon()?;
         #[cfg(unix)]
         {
             use std::os::unix::fs::FileExt;
