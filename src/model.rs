@@ -111,8 +111,8 @@ pub struct ModelArgs {
     #[arg(long, requires = "pack")]
     pub verify: bool,
     /// Read --pack into this process's memory at load instead of memory-mapping it: decoding
-    /// then streams the process's own pages (1.1× tokens/s on a 2-vCPU Xeon), for a load that
-    /// reads the whole pack first.
+    /// then streams the process's own pages (1.05–1.08× tokens/s on a 2-vCPU Xeon), for a load
+    /// that reads the whole pack first.
     #[arg(long, requires = "pack")]
     pub pack_in_memory: bool,
     /// How the routed experts are stored and computed.

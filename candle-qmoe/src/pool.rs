@@ -3,11 +3,12 @@
 //!
 //! A decode step on the CPU is a chain of short parallel ops (projections, attention, the
 //! experts' two phases, per layer) with short serial ops between them (norms, rotary embedding,
-//! routing). An idle rayon worker spins a few
-//! dozen `sched_yield` rounds and then sleeps on a futex, so most parallel ops of a step first
-//! wake the other workers, and every wake-up costs a system call and the time the woken core
-//! takes to start. Set `QMOE_POOL_SPIN=0` where other processes need the cores in between. [`with_workers_awake`] keeps the workers polling for work for the length of
-//! one step instead, as llama.cpp's thread pool does during a graph.
+//! routing). An idle rayon worker spins a few dozen `sched_yield` rounds and then sleeps on a
+//! futex, so most parallel ops of a step first wake the other workers, and every wake-up costs
+//! a system call and the time the woken core takes to start. [`with_workers_awake`] keeps the
+//! workers polling for work for the length of one step instead, as llama.cpp's thread pool
+//! does during a graph; `QMOE_POOL_SPIN=0` turns that off where other processes need the cores
+//! in between.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
@@ -51,12 +52,13 @@ impl Drop for StoreOnDrop<'_> {
 }
 
 /// Runs `f` on a thread of rayon's pool (as [`on_rayon_pool`]) while every other worker polls
-/// for work — runs whatever the pool has, else spins — until `f` returns, instead of falling
-/// asleep between `f`'s parallel ops. The model's forward passes on the CPU run through it.
-/// Decode of the OLMoE-1B-7B shape on 2 cores: 1.02–1.07× tokens/s against letting the workers
-/// sleep, 0.94–1.02× beside another busy process (docs/architecture.md §3). Only `on_rayon_pool(f)` when [`workers_stay_awake`] says
-/// no, in a pool of one thread, and while another call of this function holds the workers
-/// (nested, or from another thread).
+/// for work — runs whatever the pool has, else yields its core and asks again — until `f`
+/// returns, instead of falling asleep between `f`'s parallel ops. The model's forward passes
+/// on the CPU run through it. Decode of the OLMoE-1B-7B shape on 2 cores: 1.02–1.07× tokens/s
+/// against letting the workers sleep, 0.94–1.02× beside another busy process
+/// (docs/architecture.md §3). Just `on_rayon_pool(f)` when [`workers_stay_awake`] says no, in a
+/// pool of one thread, and while another call of this function holds the workers (nested, or
+/// from another thread).
 pub fn with_workers_awake<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     if !workers_stay_awake()
         || rayon::current_num_threads() < 2

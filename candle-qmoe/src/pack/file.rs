@@ -250,10 +250,10 @@ impl PackFile {
     }
 
     /// [`PackFile::open`], then every layer's slabs read into anonymous memory of this process
-    /// (one read per layer; the file stays mapped for its header only). Decoding then streams
-    /// the process's own memory: OLMoE-1B-7B on a 2-vCPU Xeon decoded 1.1× faster than from
-    /// the mapped file, for a load that reads the whole pack first (docs/architecture.md §2).
-    /// The process's resident memory is the same as a mapped pack whose every expert was used.
+    /// (one read per layer; afterwards no page of the file is mapped). Decoding then streams
+    /// the process's own memory: OLMoE-1B-7B on a 2-vCPU Xeon decoded 1.05–1.08× faster than
+    /// from the mapped file, for a load that reads the whole pack first (docs/architecture.md
+    /// §2). Resident memory is that of a mapped pack whose every expert has been used.
     pub fn open_in_memory(path: &Path) -> crate::Result<Self> {
         Self::open_as(path, true)
     }

@@ -496,10 +496,10 @@ impl LayerPack {
     }
 
     /// This layer with its slabs read from `file`, the `.qmoe` file it is mapped from, into
-    /// anonymous memory of this process (transparent huge pages asked for): no page of the file
-    /// stays mapped, and the kernels stream the process's own memory, which decoded OLMoE 1.1×
-    /// faster than the mapped file on 2-vCPU VMs (docs/architecture.md §2). The checksums are
-    /// still checked on first use. Owned or already read layers are returned as they are.
+    /// anonymous memory of this process: no page of the file stays mapped, and the kernels
+    /// stream the process's own memory, which decoded OLMoE 1.05–1.08× faster than the mapped
+    /// file on a 2-vCPU Xeon (docs/architecture.md §2). The checksums are still checked on
+    /// first use. Owned or already read layers are returned as they are.
     pub(crate) fn read_into_memory(&self, file: &std::fs::File) -> std::io::Result<Self> {
         let PackBytes::Mapped(map, range) = &self.bytes else {
             return Ok(self.clone());
@@ -513,7 +513,7 @@ impl LayerPack {
         #[cfg(unix)]
         {
             use std::os::unix::fs::FileExt;
-            let _ = map;
+            let _ = map; // read from the file: no page of the map is touched
             file.read_exact_at(&mut anon, range.start as u64)?;
         }
         #[cfg(not(unix))]
