@@ -19,6 +19,7 @@ import json
 import re
 import struct
 import subprocess
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -187,6 +188,21 @@ def max_or_none(values: list):
     return max(v) if v else None
 
 
+def shielded(argv: list[str]) -> list[str]:
+    """argv with a space put before each value of --ours/--llama that begins with `-` and has
+    no space: argparse would read such a value (an --ours label is the variant's flags, e.g.
+    `--pack-in-memory`) as an option; `main` strips the space again."""
+    out, values_left = [], 0
+    for arg in argv:
+        if values_left:
+            values_left -= 1
+            out.append(" " + arg if arg.startswith("-") and " " not in arg else arg)
+        else:
+            out.append(arg)
+            values_left = 6 if arg in ("--ours", "--llama") else 0
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
@@ -210,7 +226,9 @@ def main() -> None:
     p.add_argument("--command", required=True, help="the command line that ran it all")
     p.add_argument("--llama-cpp", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
                    help="a fact about the llama.cpp build (version, commit, flags, …)")
-    a = p.parse_args()
+    a = p.parse_args(shielded(sys.argv[1:]))
+    a.ours = [[v.removeprefix(" ") for v in values] for values in a.ours]
+    a.llama = [[v.removeprefix(" ") for v in values] for values in a.llama]
 
     commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"],
                             cwd=Path(__file__).parent, capture_output=True, text=True)
