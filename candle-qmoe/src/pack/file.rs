@@ -259,10 +259,11 @@ impl PackFile {
     }
 
     fn open_as(path: &Path, in_memory: bool) -> crate::Result<Self> {
-        let file = std::fs::File::open(path).map_err(|source| QmoeError::Io {
+        let io = |source| QmoeError::Io {
             path: path.to_path_buf(),
             source,
-        })?;
+        };
+        let file = std::fs::File::open(path).map_err(io)?;
         // SAFETY: the file is opened read-only and the map is never written; as with every
         // mmap-backed safetensors loader, the file must not be truncated while mapped.
         let map = Arc::new(unsafe { memmap2::Mmap::map(&file) }.map_err(|e| bad(path, e))?);
@@ -371,12 +372,7 @@ impl PackFile {
             let mut pack = LayerPack::from_mmap(layout, experts, map.clone(), range, sums, origin)
                 .map_err(|e| in_file(path, e))?;
             if in_memory {
-                pack = pack
-                    .read_into_memory(&file)
-                    .map_err(|source| QmoeError::Io {
-                        path: path.to_path_buf(),
-                        source,
-                    })?;
+                pack = pack.read_into_memory(&file).map_err(io)?;
             }
             if layers.insert(i, pack).is_some() {
                 return Err(bad(
