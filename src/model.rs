@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device};
+use candle_qmoe::kernels::cpu::DecodeActivations;
 use candle_qmoe::models::{
     self, AnyConfig, ExpertsBackend, ExpertsLoader, ModelConfig, MoeForCausalLm, PackedExperts,
     QuantizeOptions,
@@ -115,6 +116,11 @@ pub struct ModelArgs {
     /// that reads the whole pack first.
     #[arg(long, requires = "pack")]
     pub pack_in_memory: bool,
+    /// Activations of the INT4 experts in decode-sized calls on the CPU: i16 (default,
+    /// FP16's rounding) or i8 (as prefill and llama.cpp: fewer instructions per weight, for
+    /// CPUs whose cores rather than their memory set the pace). Process-wide.
+    #[arg(long, value_parser = parse_arg::<DecodeActivations>)]
+    pub decode_acts: Option<DecodeActivations>,
     /// How the routed experts are stored and computed.
     #[arg(long, value_enum, default_value = "int4")]
     pub experts: Experts,
@@ -312,6 +318,9 @@ impl ModelArgs {
         loaded.context_limit = context_limit;
         if self.dense_weights == Some(DenseWeights::Int8) {
             loaded.model.quantize_dense_int8()?;
+        }
+        if let Some(acts) = self.decode_acts {
+            acts.set_current();
         }
         if self.prefetch {
             loaded.model.enable_prefetch();

@@ -12,6 +12,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{bail, Context, Result};
 use candle::{DType, Tensor, D};
 use candle_qmoe::generation::generate;
+use candle_qmoe::kernels::cpu::DecodeActivations;
 use candle_qmoe::models::MoeForCausalLm;
 use candle_qmoe::residency::ResidencyStats;
 use serde::Serialize;
@@ -131,7 +132,8 @@ pub struct Response {
 /// The memory traffic of decode for the evidence files: `bytes_per_token` (the weight bytes
 /// one decoded token reads, [`MoeForCausalLm::weight_bytes_per_token`]), the achieved
 /// `gb_per_s` at `decode_tokens_per_s`, and the dtypes the non-expert weights
-/// (`dense_weights`) and activations ran in.
+/// (`dense_weights`) and activations ran in, and the INT4 experts' decode activations on the
+/// CPU (`decode_acts`, [`DecodeActivations::current`]).
 pub fn traffic_json(model: &MoeForCausalLm, decode_tokens_per_s: Option<f64>) -> serde_json::Value {
     let bytes = model.weight_bytes_per_token();
     serde_json::json!({
@@ -139,6 +141,7 @@ pub fn traffic_json(model: &MoeForCausalLm, decode_tokens_per_s: Option<f64>) ->
         "gb_per_s": decode_tokens_per_s.map(|r| r * bytes as f64 / 1e9),
         "dense_weights": model.dense_weights(),
         "activations": format!("{:?}", model.activation_dtype()).to_lowercase(),
+        "decode_acts": DecodeActivations::current().name(),
     })
 }
 

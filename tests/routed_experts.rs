@@ -5,7 +5,7 @@
 //! (counted in the summary line, never as passed) with a `SKIPPED` banner saying why.
 
 use candle::{Device, Tensor};
-use candle_qmoe::kernels::cpu::{CpuIsa, DECODE_ACT_MAX, W4A8_MIN_TOKENS};
+use candle_qmoe::kernels::cpu::{CpuIsa, DecodeActivations, DECODE_ACT_MAX, W4A8_MIN_TOKENS};
 use candle_qmoe::pack::{ExpertLayout, ExpertNames, GroupSize, LayerPack, ScaleSearch};
 use candle_qmoe::{DenseExperts, Int4Experts, QmoeError, RoutedExperts};
 use candle_qmoe_suite::testing::{
@@ -133,8 +133,8 @@ const MODEL_LIKE: Case = Case {
 enum Backend {
     /// The dense oracle in F32 on the dequantized experts.
     Dense,
-    /// The INT4 kernel on one instruction-set path.
-    Int4(CpuIsa),
+    /// The INT4 kernel on one instruction-set path, with these decode activations.
+    Int4(CpuIsa, DecodeActivations),
 }
 
 /// One case's pack, inputs and f64 references.
@@ -149,7 +149,7 @@ struct Inputs {
     want_kernel: Vec<f64>,
 }
 
-fn inputs(case: &Case, seed: u64) -> Inputs {
+fn inputs(case: &Case, seed: u64, acts: DecodeActivations) -> Inputs {
     let mut rng = Rng::new(seed);
     let experts = random_experts(&mut rng, case.experts, case.hidden, case.inter);
     let layout = ExpertLayout {
@@ -175,7 +175,7 @@ fn inputs(case: &Case, seed: u64) -> Inputs {
     }
     let (ids, w) = random_routing(&mut rng, case.tokens, case.k, case.experts);
     let want = reference_f64(&deq, &xs, &ids, &w, case.k);
-    let qmax = if case.tokens >= W4A8_MIN_TOKENS {
+    let qmax = if acts.int8_at(case.tokens) {
         127.0
     } else {
         DECODE_ACT_MAX as f32
@@ -201,7 +201,7 @@ fn run(case: &Case, seed: u64, backend: Backend) {
         w,
         want,
         want_kernel,
-    } = inputs(case, seed);
+    } = inputs(case, seed, acts_of(backend));
     let to_vec = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let shape = format!(
         "H{} I{} g{} T{}",
@@ -217,13 +217,13 @@ fn run(case: &Case, seed: u64, backend: Backend) {
             let err = rel_err(&to_vec(dense.forward(&xs, &ids, &w).unwrap()), &want);
             assert!(err < 1e-5, "dense f32 {shape}: rel err {err}");
         }
-        Backend::Int4(isa) => {
+        Backend::Int4(isa, acts) => {
             // Activations are rounded per group (input and SiLU·up) to DECODE_ACT_MAX levels
             // below W4A8_MIN_TOKENS and to i8 from there on, and the reference `want_kernel`
             // repeats that rounding; what remains is F32 accumulation (~1e-6) and the rare
             // SiLU·up value that F32 rounds across a step (one step of one input: ≤ 1/127 of
             // it, diluted over the row). 2e-4 leaves a 10× margin.
-            let int4 = Int4Experts::with_isa(pack, isa);
+            let int4 = Int4Experts::with_isa(pack, isa).with_decode_activations(acts);
             assert_eq!(int4.isa(), isa, "{isa:?} is not available on this CPU");
             let got = to_vec(int4.forward(&xs, &ids, &w).unwrap());
             let err = rel_err(&got, &want_kernel);
@@ -233,7 +233,7 @@ fn run(case: &Case, seed: u64, backend: Backend) {
             // DECODE_ACT_MAX levels the steps are 15× smaller: 5e-3.
             let exact_err = rel_err(&got, &want);
             eprintln!("{isa:?} {shape}: rel err {err:.2e} (vs exact {exact_err:.2e})");
-            let exact_bound = if case.tokens >= W4A8_MIN_TOKENS {
+            let exact_bound = if acts.int8_at(case.tokens) {
                 5e-2
             } else {
                 5e-3
@@ -252,9 +252,9 @@ fn run(case: &Case, seed: u64, backend: Backend) {
                 let other = pool.install(|| to_vec(int4.forward(&xs, &ids, &w).unwrap()));
                 assert_eq!(got, other, "{isa:?} {shape}: differs on {threads} threads");
             }
-            // Batch-invariant below W4A8_MIN_TOKENS: a token's output does not depend on
-            // which other tokens share the call (a server batching requests returns the bits
-            // each would get alone).
+            // Batch-invariant below W4A8_MIN_TOKENS, with either decode activations: a token's
+            // output does not depend on which other tokens share the call (a server batching
+            // requests returns the bits each would get alone).
             if case.tokens < W4A8_MIN_TOKENS {
                 let h = case.hidden;
                 for t in 0..case.tokens {
@@ -270,7 +270,8 @@ fn run(case: &Case, seed: u64, backend: Backend) {
             // Both SIMD paths sum the same exact integers per lane and scale them the same way
             // (`i16` and `i8` activations alike): AVX-512 gives the AVX2 bits.
             if isa == CpuIsa::Avx512Vnni && CpuIsa::Avx2.is_available() {
-                let avx2 = Int4Experts::with_isa(int4.pack().clone(), CpuIsa::Avx2);
+                let avx2 = Int4Experts::with_isa(int4.pack().clone(), CpuIsa::Avx2)
+                    .with_decode_activations(acts);
                 let avx2 = to_vec(avx2.forward(&xs, &ids, &w).unwrap());
                 assert_eq!(got, avx2, "{shape}: AVX-512 and AVX2 differ");
             }
@@ -300,11 +301,37 @@ fn trials(name: &str, backend: Backend) -> Vec<Trial> {
     ]
 }
 
+/// The decode activations a backend's trial runs with.
+fn acts_of(backend: Backend) -> DecodeActivations {
+    match backend {
+        Backend::Int4(_, acts) => acts,
+        Backend::Dense => DecodeActivations::default(),
+    }
+}
+
 fn main() {
     let args = Arguments::from_args();
     let mut all = trials("dense_oracle", Backend::Dense);
     all.extend(isa_trials("int4", |name, isa| {
-        trials(name, Backend::Int4(isa))
+        trials(name, Backend::Int4(isa, DecodeActivations::I16))
+    }));
+    // `i8` activations at decode too (`--decode-acts i8`): the cases below W4A8_MIN_TOKENS
+    // take the single-row kernels with 8-bit activations.
+    all.extend(isa_trials("int4_decode_i8", |name, isa| {
+        trials(name, Backend::Int4(isa, DecodeActivations::I8))
+    }));
+    all.push(Trial::test("decode_activations_parse", || {
+        assert_eq!(
+            "i8".parse::<DecodeActivations>().ok(),
+            Some(DecodeActivations::I8)
+        );
+        assert_eq!(
+            "I16".parse::<DecodeActivations>().ok(),
+            Some(DecodeActivations::I16)
+        );
+        let err = "i4".parse::<DecodeActivations>().unwrap_err().to_string();
+        assert!(err.contains("i4") && err.contains("i16 or i8"), "{err}");
+        Ok(())
     }));
     all.push(Trial::test("bad_routing_is_a_clear_error", || {
         bad_routing_is_a_clear_error();

@@ -248,6 +248,7 @@ impl RoutedExperts for GgmlExperts {
 pub struct Int4Experts {
     pack: LayerPack,
     isa: cpu::CpuIsa,
+    decode_acts: Option<cpu::DecodeActivations>,
     #[cfg(feature = "cuda")]
     resident: Arc<Mutex<Vec<Arc<cuda::DeviceExperts>>>>,
 }
@@ -269,9 +270,23 @@ impl Int4Experts {
         Self {
             pack,
             isa,
+            decode_acts: None,
             #[cfg(feature = "cuda")]
             resident: Arc::default(),
         }
+    }
+
+    /// Computes decode-sized calls with these activations on the CPU, whatever the
+    /// process-wide [`cpu::DecodeActivations::current`].
+    pub fn with_decode_activations(mut self, acts: cpu::DecodeActivations) -> Self {
+        self.decode_acts = Some(acts);
+        self
+    }
+
+    /// The activations decode-sized calls on the CPU compute with.
+    pub fn decode_activations(&self) -> cpu::DecodeActivations {
+        self.decode_acts
+            .unwrap_or_else(cpu::DecodeActivations::current)
     }
 
     /// The instruction-set path this backend computes with.
@@ -398,6 +413,7 @@ impl CustomOp3 for Int4Experts {
         self.pack.verify_experts(plan.experts())?;
         let out = cpu::routed_forward(
             self.isa,
+            self.decode_activations(),
             self.pack.layout(),
             &|e| self.pack.slab(e).bytes,
             &plan,

@@ -363,6 +363,7 @@ fn cpu_part(
     let source = store.source();
     let y = cpu::routed_forward(
         isa,
+        cpu::DecodeActivations::current(),
         store.layout(),
         &|e| source.slab(e).bytes,
         &sub,

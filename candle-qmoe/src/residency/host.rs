@@ -67,6 +67,7 @@ impl CustomOp3 for ResidentExperts<HostMemory> {
             let routes = piece.routes(&plan);
             cpu::routed_forward_into(
                 self.isa(),
+                cpu::DecodeActivations::current(),
                 store.layout(),
                 &slab_of,
                 &routes,
