@@ -11,7 +11,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use candle::quantized::GgmlDType;
 use candle::{DType, Device, Tensor};
-use candle_qmoe::kernels::cpu::CpuIsa;
+use candle_qmoe::kernels::cpu::{CpuIsa, DecodeActivations, W4A8_MIN_TOKENS};
 use candle_qmoe::pack::{DenseExpert, ExpertNames, GroupSize, LayerPack, ScaleSearch};
 use candle_qmoe::synthetic::{MoeShape, SyntheticKind};
 use candle_qmoe::{synthetic, DenseExperts, GgmlExperts, Int4Experts, RoutedExperts};
@@ -122,13 +122,29 @@ fn main() -> Result<()> {
     let rtn = LayerPack::quantize("layer", ExpertNames::PROJ, &dense, layout, ScaleSearch::Rtn)?;
     eprintln!("quantized in {quantize_s:.1}s; building baselines…");
     let int4 = Int4Experts::new(pack.clone());
-    // The kernel on every other vector instruction set this CPU has, timed alongside.
-    let other_isas: Vec<(String, Int4Experts)> = CpuIsa::ALL
+    // The kernel on every other vector instruction set this CPU has, timed alongside; below
+    // W4A8_MIN_TOKENS also every vector path with the other decode activations
+    // (`int4_<isa>_<acts>`).
+    let acts = int4.decode_activations();
+    let other_acts = match acts {
+        DecodeActivations::I16 => DecodeActivations::I8,
+        DecodeActivations::I8 => DecodeActivations::I16,
+    };
+    let vector_isas = CpuIsa::ALL
         .into_iter()
-        .filter(|&isa| isa != int4.isa() && isa != CpuIsa::Scalar && isa.is_available())
-        .map(|isa| {
-            let name = format!("int4_{}", isa.name());
-            (name, Int4Experts::with_isa(pack.clone(), isa))
+        .filter(|&isa| isa != CpuIsa::Scalar && isa.is_available());
+    let other_isas: Vec<(String, Int4Experts)> = vector_isas
+        .flat_map(|isa| {
+            let same = (isa != int4.isa()).then(|| {
+                let name = format!("int4_{}", isa.name());
+                (name, Int4Experts::with_isa(pack.clone(), isa))
+            });
+            let other = (t < W4A8_MIN_TOKENS).then(|| {
+                let name = format!("int4_{}_{}", isa.name(), other_acts.name());
+                let experts = Int4Experts::with_isa(pack.clone(), isa);
+                (name, experts.with_decode_activations(other_acts))
+            });
+            same.into_iter().chain(other)
         })
         .collect();
     let f32_experts = DenseExperts::new(dense.clone())?;
@@ -246,6 +262,7 @@ fn main() -> Result<()> {
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "shape": name, "hidden": hidden, "intermediate": inter, "experts": experts, "top_k": k,
         "tokens": t, "group_size": args.group_size, "cpu_isa": int4.isa().name(),
+        "decode_acts": acts.name(),
         "int4_ms_by_isa": other_isas.iter().map(|(n, _)| (n.trim_start_matches("int4_"), get(n)))
             .chain([(int4.isa().name(), Some(ms[0]))]).collect::<std::collections::BTreeMap<_, _>>(),
         "threads": rayon::current_num_threads(), "iters": iters, "burst": burst,

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use candle::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use candle_qmoe::kernels::cpu::W4A8_MIN_TOKENS;
+use candle_qmoe::kernels::cpu::{DecodeActivations, W4A8_MIN_TOKENS};
 use candle_qmoe::models::{
     self, mixtral, olmoe, qwen2_moe, qwen3_moe, AnyConfig, ExpertsBackend, ExpertsLoader, FfnSpec,
     ModelConfig, MoeForCausalLm, MoeNames, PackedExperts, QkNorm, QuantizeOptions,
@@ -278,7 +278,9 @@ fn packed(name: &str, group: GroupSize) -> PackedExperts {
 /// (max |Δlogit| ≤ 0.6), and 1.9e-3 / 3.2e-3 (max ≈ 1) on mixtral-tiny g128 / g256, whose top-2
 /// routing amplifies small changes: the bound, 4e-3, is an eighth of what INT4 weights cost on Mixtral's fixture (~3e-2)
 /// and under half of the others' (~1e-2, `int4_*` above), with top-1 agreeing on at least 90% of
-/// the positions.
+/// the positions. Run with `QMOE_DECODE_ACTS=i8`, prompt 0 takes `i8` too: measured KL
+/// 1.6e-5–5.4e-5, max |Δlogit| 2.5e-2–4.5e-2, and 3 of its 168 argmaxes flipped at near-ties
+/// (a one-position flip is 1/7 of a 7-token prompt, so top-1 is asserted on long prompts only).
 #[test]
 fn int4_kernel_matches_dequantized_oracle_in_model() {
     for name in FIXTURES {
@@ -290,7 +292,9 @@ fn int4_kernel_matches_dequantized_oracle_in_model() {
             let mut oracle = load_any(name, &experts.clone().dequantized(DType::F32));
             for p in 0..golden_prompt_count(&golden) {
                 let ids = ids_u32(&golden[&format!("prompt{p}.input_ids")]);
-                let a8 = ids.len() >= W4A8_MIN_TOKENS;
+                // `QMOE_DECODE_ACTS=i8` runs this test with `i8` activations at decode too.
+                let a8 = DecodeActivations::current().int8_at(ids.len());
+                let long = ids.len() >= W4A8_MIN_TOKENS;
                 let ids = row_tensor(&ids);
                 int4.clear_kv_cache();
                 oracle.clear_kv_cache();
@@ -311,7 +315,11 @@ fn int4_kernel_matches_dequantized_oracle_in_model() {
                 );
                 if a8 {
                     assert!(m.mean_kl < 4e-3, "{name} g{g} prompt{p}: KL {}", m.mean_kl);
-                    assert!(m.top1 >= 0.9, "{name} g{g} prompt{p}: top-1 {}", m.top1);
+                    assert!(
+                        !long || m.top1 >= 0.9,
+                        "{name} g{g} prompt{p}: top-1 {}",
+                        m.top1
+                    );
                 } else {
                     assert!(m.max_abs_diff < 1e-2, "{name} g{g} prompt{p}: {m:?}");
                     assert!(m.mean_kl < 1e-6, "{name} g{g} prompt{p}: {m:?}");

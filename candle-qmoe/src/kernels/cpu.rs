@@ -53,7 +53,7 @@ pub enum DecodeActivations {
     I16,
     /// `i8` at 127 levels, as prefill and llama.cpp's Q8 activations: half the instructions
     /// per weight (one OLMoE layer at T = 1, from L3 on one thread of a Granite Rapids-class
-    /// Xeon: 0.27–0.28 ms against 0.37–0.38), for an error of up to 1/254 of each group's
+    /// Xeon: 0.29–0.30 ms against 0.36–0.39), for an error of up to 1/254 of each group's
     /// largest value instead of 1/3854.
     I8,
 }
@@ -944,7 +944,7 @@ mod x86 {
     /// token sums the nibble × activation quadruples straight into `i32` lanes. Several tokens
     /// (prefill) share each chunk's decode, so the per-chunk spread costs little, and the lanes
     /// need no 512-bit fold per token and group: on a Granite Rapids-class Xeon one OLMoE layer
-    /// at T = 128 took 0.93× the time of the word-block kernel ([`group_sums_a8_avx512`], the
+    /// at T = 128 took 0.94–1.0× the time of the word-block kernel ([`group_sums_a8_avx512`], the
     /// single-token kernel). The same exact group totals: the same bits.
     ///
     /// # Safety
