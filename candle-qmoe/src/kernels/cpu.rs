@@ -581,6 +581,20 @@ mod x86 {
         acc
     }
 
+    /// `$f::<.., CPG>(args)` with `CPG = shape.chunks_per_group` as a constant (1, 2, 4 or 8:
+    /// group sizes are 32 to 256 weights), so that a group's chunk loop unrolls.
+    macro_rules! by_chunks_per_group {
+        ($shape:expr, $f:ident::<$($c:ident),*>($($arg:expr),*)) => {
+            match $shape.chunks_per_group {
+                1 => $f::<$($c,)* 1>($($arg),*),
+                2 => $f::<$($c,)* 2>($($arg),*),
+                4 => $f::<$($c,)* 4>($($arg),*),
+                8 => $f::<$($c,)* 8>($($arg),*),
+                n => unreachable!("{n} chunks per group: group sizes are 32 to 256 weights"),
+            }
+        };
+    }
+
     /// Defines `$tile`, `R` rows times a block of `$act` activation rows, and `$groups`, its
     /// body for groups of `CPG` chunks, compiled for `$features` around the group sums `$sums`.
     /// Whole runs of 8 groups are scaled together: each group's exact sums are folded per row
@@ -617,13 +631,7 @@ mod x86 {
                     shape.check::<$act, TB>(w, s, acts);
                 }
                 assert_eq!(acts.words, $words, "activations in the wrong layout");
-                match shape.chunks_per_group {
-                    1 => $groups::<R, TB, 1>(shape, rows, acts),
-                    2 => $groups::<R, TB, 2>(shape, rows, acts),
-                    4 => $groups::<R, TB, 4>(shape, rows, acts),
-                    8 => $groups::<R, TB, 8>(shape, rows, acts),
-                    n => unreachable!("{n} chunks per group: group sizes are 32 to 256 weights"),
-                }
+                by_chunks_per_group!(shape, $groups::<R, TB>(shape, rows, acts))
             }
 
             /// The tile function for groups of `CPG` chunks.
@@ -754,13 +762,7 @@ mod x86 {
             ) -> [f32; TB] {
                 shape.check::<$act, TB>(w, s, acts);
                 assert_eq!(acts.words, $words, "activations in the wrong layout");
-                match shape.chunks_per_group {
-                    1 => $tokens_groups::<TB, 1>(shape, w, s, acts),
-                    2 => $tokens_groups::<TB, 2>(shape, w, s, acts),
-                    4 => $tokens_groups::<TB, 4>(shape, w, s, acts),
-                    8 => $tokens_groups::<TB, 8>(shape, w, s, acts),
-                    n => unreachable!("{n} chunks per group: group sizes are 32 to 256 weights"),
-                }
+                by_chunks_per_group!(shape, $tokens_groups::<TB>(shape, w, s, acts))
             }
 
             /// The token-lane function for groups of `CPG` chunks.
@@ -901,76 +903,105 @@ mod x86 {
         _mm256_and_si256(v, _mm256_set1_epi8(0x0f))
     }
 
-    /// [`group_sums_avx2`] for `i8` activations: chunk `c`'s nibbles as bytes
-    /// ([`nibble_bytes_avx2`]) times the activations by `vpmaddubsw` (unsigned nibble × signed
-    /// byte pairs, at most 2 · 15 · 127), summed per row and token in `i16` over the group (at
-    /// most 8 chunks: ≤ 30 480, no saturation) and widened to 8 × `i32` once. The AVX-512
-    /// kernel ([`group_sums_a8_avx512`]) sums the same integers per group: the same bits.
-    ///
-    /// # Safety
-    /// As [`group_sums_avx2`], with `n ≤ 8`.
+    /// AVX2: nibble × `i8` activation pairs with `vpmaddubsw` (at most 2 · 15 · 127), summed in
+    /// `i16` over the group (at most 8 chunks: ≤ 30 480, no saturation).
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn group_sums_a8_avx2<const R: usize, const TB: usize>(
-        wp: [*const u8; R],
-        xp: *const i8,
-        n: usize,
-    ) -> [[__m256i; TB]; R] {
-        debug_assert!(n <= 8, "i16 sums hold at most 8 chunks");
-        let mut acc = [[_mm256_setzero_si256(); TB]; R];
-        for c in 0..n {
-            for (row, &w) in acc.iter_mut().zip(&wp) {
-                if (c * CHUNK_BYTES).is_multiple_of(64) {
-                    // Rows are contiguous: fetch ahead across row ends (never faults).
-                    prefetch_stream(w.wrapping_add(c * CHUNK_BYTES));
-                }
-                let wq = nibble_bytes_avx2(w, c);
-                for (t, a) in row.iter_mut().enumerate() {
-                    let x = _mm256_loadu_si256(xp.add((c * TB + t) * CHUNK_WEIGHTS) as *const _);
-                    *a = _mm256_add_epi16(*a, _mm256_maddubs_epi16(wq, x));
-                }
-            }
-        }
-        let mut sums = [[_mm256_setzero_si256(); TB]; R];
-        for r in 0..R {
-            for t in 0..TB {
-                sums[r][t] = _mm256_madd_epi16(acc[r][t], _mm256_set1_epi16(1));
-            }
-        }
-        sums
+    fn a8_madd_avx2(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
+        _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x))
     }
 
-    /// [`group_sums_a8_avx2`] on AVX-512 VNNI: one 256-bit `vpdpbusd` per chunk, row and
-    /// token sums the nibble × activation quadruples straight into `i32` lanes. Several tokens
-    /// (prefill) share each chunk's decode, so the per-chunk spread costs little, and the lanes
-    /// need no 512-bit fold per token and group: on a Granite Rapids-class Xeon one OLMoE layer
-    /// at T = 128 took 0.94–1.0× the time of the word-block kernel ([`group_sums_a8_avx512`], the
-    /// single-token kernel). The same exact group totals: the same bits.
+    /// AVX2: a group's `i16` pair sums widened to 8 × `i32`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn a8_widen_avx2(acc: __m256i) -> __m256i {
+        _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
+    }
+
+    /// AVX-512 VNNI: nibble × `i8` activation quadruples summed straight into `i32` by one
+    /// 256-bit `vpdpbusd` (the same products and lanes as [`a8_madd_avx2`] then
+    /// [`a8_widen_avx2`]).
+    #[inline]
+    #[target_feature(enable = "avx512vnni,avx512vl")]
+    fn a8_madd_vnni(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(acc, w, x)
+    }
+
+    /// AVX-512 VNNI: the sums are already `i32`.
+    #[inline]
+    fn a8_widen_vnni(acc: __m256i) -> __m256i {
+        acc
+    }
+
+    /// Defines `$name`, [`group_sums_avx2`] for `i8` activations in the plain layout, compiled
+    /// for `$features`: chunk `c`'s nibbles as bytes ([`nibble_bytes_avx2`]) times the
+    /// activations, accumulated per row and token by `$madd` and widened to 8 × `i32` once per
+    /// group by `$widen`. Every instruction set, and the word-block kernel
+    /// ([`group_sums_a8_avx512`]), sums the same integers per group: the same bits.
+    macro_rules! group_sums_a8 {
+        ($name:ident, $madd:ident, $widen:ident, $features:literal) => {
+            /// The `i8` group sums of one instruction set (see `group_sums_a8!`).
+            ///
+            /// # Safety
+            /// As [`group_sums_avx2`], with `n ≤ 8`, on a CPU with the target features.
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn $name<const R: usize, const TB: usize>(
+                wp: [*const u8; R],
+                xp: *const i8,
+                n: usize,
+            ) -> [[__m256i; TB]; R] {
+                debug_assert!(n <= 8, "i16 sums hold at most 8 chunks");
+                let mut acc = [[_mm256_setzero_si256(); TB]; R];
+                for c in 0..n {
+                    for (row, &w) in acc.iter_mut().zip(&wp) {
+                        if (c * CHUNK_BYTES).is_multiple_of(64) {
+                            // Rows are contiguous: fetch ahead across row ends (never faults).
+                            prefetch_stream(w.wrapping_add(c * CHUNK_BYTES));
+                        }
+                        let wq = nibble_bytes_avx2(w, c);
+                        for (t, a) in row.iter_mut().enumerate() {
+                            let x = xp.add((c * TB + t) * CHUNK_WEIGHTS);
+                            *a = $madd(*a, wq, _mm256_loadu_si256(x as *const _));
+                        }
+                    }
+                }
+                let mut sums = [[_mm256_setzero_si256(); TB]; R];
+                for r in 0..R {
+                    for t in 0..TB {
+                        sums[r][t] = $widen(acc[r][t]);
+                    }
+                }
+                sums
+            }
+        };
+    }
+    group_sums_a8!(group_sums_a8_avx2, a8_madd_avx2, a8_widen_avx2, "avx2");
+    // Several tokens (prefill) share each chunk's decode, so the per-chunk spread costs little,
+    // and the 256-bit lanes need no 512-bit fold per token and group: on a Granite Rapids-class
+    // Xeon one OLMoE layer at T = 128 took 0.94–1.0× the time of the word-block kernel
+    // (`group_sums_a8_avx512`, the single-token kernel).
+    group_sums_a8!(
+        group_sums_a8_vnni,
+        a8_madd_vnni,
+        a8_widen_vnni,
+        "avx512vnni,avx512vl,avx2"
+    );
+
+    /// The 64 bytes of a row's word block at `w`; `chunks < 4` (a group's short tail) loads
+    /// only its bytes, so the read never passes the row's end.
     ///
     /// # Safety
-    /// As [`group_sums_avx2`], on a CPU with AVX-512 VNNI.
+    /// The block's first `chunks` chunks must lie inside the row `w` points to.
     #[inline]
-    #[target_feature(enable = "avx512vnni,avx512vl,avx2")]
-    unsafe fn group_sums_a8_vnni<const R: usize, const TB: usize>(
-        wp: [*const u8; R],
-        xp: *const i8,
-        n: usize,
-    ) -> [[__m256i; TB]; R] {
-        let mut acc = [[_mm256_setzero_si256(); TB]; R];
-        for c in 0..n {
-            for (row, &w) in acc.iter_mut().zip(&wp) {
-                if (c * CHUNK_BYTES).is_multiple_of(64) {
-                    // Rows are contiguous: fetch ahead across row ends (never faults).
-                    prefetch_stream(w.wrapping_add(c * CHUNK_BYTES));
-                }
-                let wq = nibble_bytes_avx2(w, c);
-                for (t, a) in row.iter_mut().enumerate() {
-                    let x = _mm256_loadu_si256(xp.add((c * TB + t) * CHUNK_WEIGHTS) as *const _);
-                    *a = _mm256_dpbusd_epi32(*a, wq, x);
-                }
-            }
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn load_block_avx512(w: *const u8, chunks: usize) -> __m512i {
+        if chunks >= WORD_BLOCK_CHUNKS {
+            _mm512_loadu_si512(w as *const _)
+        } else {
+            let bytes = chunks * CHUNK_BYTES;
+            _mm512_maskz_loadu_epi8((1u64 << bytes) - 1, w as *const i8)
         }
-        acc
     }
 
     /// One 64-byte block of a row (chunks `4j..4j + 4` of the group at `w`) as the four word
@@ -979,20 +1010,14 @@ mod x86 {
     /// even byte whole (`& 0xff`), the odd byte whole (`>> 8`), the even byte's high nibble
     /// (`>> 4 & 0xf`) and the odd byte's (`>> 12`). One load, no shuffle: AND and shift run on
     /// every vector pipe, where the per-chunk broadcast and `vpshufb` of a byte-to-word spread
-    /// queue on the shuffle pipes. `chunks < 4` (a group's short tail) loads only its bytes,
-    /// so the read never passes the row's end.
+    /// queue on the shuffle pipes. `chunks` as in [`load_block_avx512`].
     ///
     /// # Safety
     /// The block's first `chunks` chunks must lie inside the row `w` points to.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
     unsafe fn word_block_avx512(w: *const u8, chunks: usize) -> [__m512i; 4] {
-        let v = if chunks >= WORD_BLOCK_CHUNKS {
-            _mm512_loadu_si512(w as *const _)
-        } else {
-            let bytes = chunks * CHUNK_BYTES;
-            _mm512_maskz_loadu_epi8((1u64 << bytes) - 1, w as *const i8)
-        };
+        let v = load_block_avx512(w, chunks);
         let (byte, nibble) = (_mm512_set1_epi16(0xff), _mm512_set1_epi16(0x0f));
         [
             _mm512_and_si512(v, byte),
@@ -1055,7 +1080,7 @@ mod x86 {
     /// unsigned bytes each, and per row and token two `vpdpbusd` (one chain), each summing
     /// four nibble × activation products straight into an `i32` lane: half the instructions
     /// per weight of the `i16` kernel, and no shuffle. The same exact group totals as
-    /// [`row_a8_avx2`]'s: the same bits.
+    /// [`group_sums_a8_avx2`]'s: the same bits.
     ///
     /// # Safety
     /// As [`group_sums_avx512`].
@@ -1074,12 +1099,7 @@ mod x86 {
                 let w = wp[r].add(j * WORD_BLOCK_CHUNKS * CHUNK_BYTES);
                 // Rows are contiguous: fetch ahead across row ends (never faults).
                 prefetch_stream(w);
-                let v = if chunks >= WORD_BLOCK_CHUNKS {
-                    _mm512_loadu_si512(w as *const _)
-                } else {
-                    let bytes = chunks * CHUNK_BYTES;
-                    _mm512_maskz_loadu_epi8((1u64 << bytes) - 1, w as *const i8)
-                };
+                let v = load_block_avx512(w, chunks);
                 let lo = _mm512_and_si512(v, nibble);
                 let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nibble);
                 for (t, a) in acc[r].iter_mut().enumerate() {
