@@ -2,10 +2,19 @@
 //! kernel, dense F32 and BF16 Candle matmuls, and Candle's own quantized `QMatMul` (Q4K, Q4_0).
 //! Prints one JSON line (and appends it to `--json PATH` when given).
 //!
+//! At the model shapes the INT4 backends and Q4K hold `--layers` copies of the layer in memory
+//! of their own, and consecutive calls go through them as a decode step goes through a model's
+//! layers, with the routing advancing across the whole run: as in a model, a call's experts were
+//! last read a whole step (every other layer) before, so a last-level cache larger than one layer
+//! holds few of them (the JSON gives `int4_working_set_bytes` next to `llc_bytes`). The order of
+//! the backends rotates by one each iteration, so every backend is timed equally often after
+//! each of the others.
+//!
 //! ```text
 //! cargo run --release --example layer_bench -- --shape olmoe --tokens 1
 //! ```
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
@@ -38,6 +47,15 @@ enum Shape {
 }
 
 impl Shape {
+    /// Copies of the layer the calls go through by default: OLMoE's 16 layers at the model
+    /// shapes; one for the shapes that measure the compute rate from cache.
+    fn default_layers(self) -> usize {
+        match self {
+            Self::Olmoe | Self::Qwen => 16,
+            Self::Cached | Self::L3 => 1,
+        }
+    }
+
     /// The name in evidence files and the layer shape.
     fn moe(self) -> (&'static str, MoeShape) {
         match self {
@@ -85,6 +103,11 @@ struct Args {
     /// after an idle pause, which on small VMs adds the wake-up of an idle core to every call.
     #[arg(long, default_value_t = 16)]
     burst: usize,
+    /// Copies of the layer, each in memory of its own, that consecutive calls go through (the
+    /// INT4 backends and Candle's Q4K; the dense baselines and Q4_0, which compute far slower
+    /// than memory reads, hold one): default 16 at the model shapes, 1 for `cached` and `l3`.
+    #[arg(long)]
+    layers: Option<usize>,
     /// Random seed for weights, activations and routing.
     #[arg(long, default_value_t = 42)]
     seed: u64,
@@ -92,6 +115,9 @@ struct Args {
     #[arg(long)]
     json: Option<std::path::PathBuf>,
 }
+
+/// A backend's copies of the layer, which consecutive calls go through.
+type Layers = Vec<Box<dyn RoutedExperts>>;
 
 /// `‖a − b‖ / ‖b‖` of two tensors, in f64.
 fn tensor_rel_err(a: &Tensor, b: &Tensor) -> Result<f64> {
@@ -112,6 +138,10 @@ fn main() -> Result<()> {
         bail!("--tokens must be at least 1");
     }
     let iters = args.iters.unwrap_or(if t <= 8 { 30 } else { 6 });
+    let layers = args.layers.unwrap_or(args.shape.default_layers());
+    if layers == 0 {
+        bail!("--layers must be at least 1");
+    }
     let layout = shape.layout(GroupSize::new(args.group_size)?);
     let dev = Device::Cpu;
     eprintln!("building {experts} random experts (std 0.02) at H {hidden}, I {inter}…");
@@ -120,7 +150,25 @@ fn main() -> Result<()> {
     let pack = LayerPack::quantize("layer", ExpertNames::PROJ, &dense, layout, ScaleSearch::Mse)?;
     let quantize_s = t0.elapsed().as_secs_f64();
     let rtn = LayerPack::quantize("layer", ExpertNames::PROJ, &dense, layout, ScaleSearch::Rtn)?;
-    eprintln!("quantized in {quantize_s:.1}s; building baselines…");
+    eprintln!("quantized in {quantize_s:.1}s; building baselines and {layers} copies…");
+    // The pack again in memory of its own for every further layer.
+    let packs: Vec<LayerPack> = std::iter::once(Ok(pack.clone()))
+        .chain((1..layers).map(|_| LayerPack::from_bytes(layout, experts, Arc::from(pack.bytes()))))
+        .collect::<Result<_, _>>()?;
+    let int4_layers = |make: &dyn Fn(LayerPack) -> Int4Experts| -> Layers {
+        packs
+            .iter()
+            .map(|p| Box::new(make(p.clone())) as Box<dyn RoutedExperts>)
+            .collect()
+    };
+    let ggml_layers = |first: GgmlExperts| -> Result<Layers> {
+        let copies = (1..layers)
+            .map(|_| Ok(Box::new(first.copied()?) as Box<dyn RoutedExperts>))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(std::iter::once(Box::new(first) as Box<dyn RoutedExperts>)
+            .chain(copies)
+            .collect())
+    };
     let int4 = Int4Experts::new(pack.clone());
     // The kernel on every other vector instruction set this CPU has, timed alongside; below
     // W4A8_MIN_TOKENS also every vector path with the other decode activations
@@ -133,16 +181,16 @@ fn main() -> Result<()> {
     let vector_isas = CpuIsa::ALL
         .into_iter()
         .filter(|&isa| isa != CpuIsa::Scalar && isa.is_available());
-    let other_isas: Vec<(String, Int4Experts)> = vector_isas
+    let other_isas: Vec<(String, Layers)> = vector_isas
         .flat_map(|isa| {
             let same = (isa != int4.isa()).then(|| {
                 let name = format!("int4_{}", isa.name());
-                (name, Int4Experts::with_isa(pack.clone(), isa))
+                (name, int4_layers(&|p| Int4Experts::with_isa(p, isa)))
             });
             let other = (t < W4A8_MIN_TOKENS).then(|| {
                 let name = format!("int4_{}_{}", isa.name(), other_acts.name());
-                let experts = Int4Experts::with_isa(pack.clone(), isa);
-                (name, experts.with_decode_activations(other_acts))
+                let make = |p| Int4Experts::with_isa(p, isa).with_decode_activations(other_acts);
+                (name, int4_layers(&make))
             });
             same.into_iter().chain(other)
         })
@@ -195,18 +243,18 @@ fn main() -> Result<()> {
     let rtn_quant_rel_err = tensor_rel_err(&rtn_out, &exact)?;
     drop((deq, rtn));
 
-    let mut backends: Vec<(&str, &dyn RoutedExperts)> = vec![
-        ("int4", &int4),
-        ("dense_f32", &f32_experts),
-        ("dense_bf16", &bf16_experts),
-        ("candle_q4_0", &q4_0),
+    let one = |e: Box<dyn RoutedExperts>| -> Layers { vec![e] };
+    let mut backends: Vec<(String, Layers)> = vec![
+        ("int4".into(), int4_layers(&Int4Experts::new)),
+        ("dense_f32".into(), one(Box::new(f32_experts))),
+        ("dense_bf16".into(), one(Box::new(bf16_experts))),
+        ("candle_q4_0".into(), one(Box::new(q4_0))),
     ];
-    if let Some(q) = &q4k {
-        backends.push(("candle_q4k", q));
+    if let Some(q) = q4k {
+        backends.push(("candle_q4k".into(), ggml_layers(q)?));
     }
-    for (name, experts) in &other_isas {
-        backends.push((name, experts));
-    }
+    let other_names: Vec<String> = other_isas.iter().map(|(n, _)| n.clone()).collect();
+    backends.extend(other_isas);
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); backends.len()];
     eprintln!(
         "timing {iters} round-robin iterations of {} calls…",
@@ -217,16 +265,24 @@ fn main() -> Result<()> {
     // outside, every parallel op would wake the caller when it ends, which the examples and the
     // server never pay (and which made long bursts of small calls 2–4× slower on a VM).
     candle_qmoe::pool::on_rayon_pool(|| -> Result<()> {
+        // Calls of the whole run, every backend's: call `c` goes to layer `c mod layers` with
+        // routing `c / layers` (cycled), so a layer's experts come back only after every
+        // other layer's.
+        let mut call = 0usize;
         for it in 0..iters + 2 {
-            for (b, (_, backend)) in backends.iter().enumerate() {
+            // The order rotates by one each iteration: each backend follows each other one.
+            for b in (0..backends.len()).map(|p| (it + p) % backends.len()) {
+                let copies = &backends[b].1;
                 // Let the previous backend's worker threads park: Candle's CPU thread pool
                 // spins for about a millisecond after each op, which would steal a core from
                 // the next one.
                 std::thread::sleep(std::time::Duration::from_millis(10));
                 let start = Instant::now();
-                for call in 0..burst {
-                    let (xs, ids, w) = &routings[(it * burst + call) % routings.len()];
-                    std::hint::black_box(backend.forward(xs, ids, w)?);
+                for _ in 0..burst {
+                    let (xs, ids, w) = &routings[(call / layers) % routings.len()];
+                    let layer = &copies[call % layers % copies.len()];
+                    std::hint::black_box(layer.forward(xs, ids, w)?);
+                    call += 1;
                 }
                 if it >= 2 {
                     times[b].push(start.elapsed().as_secs_f64() * 1e3 / burst as f64);
@@ -241,7 +297,12 @@ fn main() -> Result<()> {
     let min_ms: std::collections::BTreeMap<&str, f64> = backends
         .iter()
         .zip(&times)
-        .map(|((n, _), v)| (*n, v.iter().copied().reduce(f64::min).unwrap_or(f64::NAN)))
+        .map(|((n, _), v)| {
+            (
+                n.as_str(),
+                v.iter().copied().reduce(f64::min).unwrap_or(f64::NAN),
+            )
+        })
         .collect();
     let mut distinct = 0usize;
     for (_, ids, _) in &routings {
@@ -256,16 +317,17 @@ fn main() -> Result<()> {
     let gb_per_s = bytes_moved / (ms[0] * 1e-3) / 1e9;
     let bw = memory_bandwidth();
     let (read_gb_per_s, copy_gb_per_s) = (bw.read_gb_per_s, bw.copy_gb_per_s);
-    let get = |n: &str| backends.iter().position(|(b, _)| *b == n).map(|i| ms[i]);
-    let line = json!({
+    let get = |n: &str| backends.iter().position(|(b, _)| b == n).map(|i| ms[i]);
+    let mut line = json!({
         "device": candle_qmoe_suite::system::cpu_model(), "commit": candle_qmoe_suite::system::git_commit(),
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "shape": name, "hidden": hidden, "intermediate": inter, "experts": experts, "top_k": k,
         "tokens": t, "group_size": args.group_size, "cpu_isa": int4.isa().name(),
         "decode_acts": acts.name(),
-        "int4_ms_by_isa": other_isas.iter().map(|(n, _)| (n.trim_start_matches("int4_"), get(n)))
+        "int4_ms_by_isa": other_names.iter().map(|n| (n.trim_start_matches("int4_"), get(n)))
             .chain([(int4.isa().name(), Some(ms[0]))]).collect::<std::collections::BTreeMap<_, _>>(),
         "threads": rayon::current_num_threads(), "iters": iters, "burst": burst,
+
         "caller": "pool thread", "min_ms": min_ms,
         "int4_ms": ms[0], "dense_f32_ms": get("dense_f32"), "dense_bf16_ms": get("dense_bf16"),
         "candle_q4k_ms": get("candle_q4k"), "candle_q4_0_ms": get("candle_q4_0"),
@@ -280,6 +342,12 @@ fn main() -> Result<()> {
         "fraction_of_read_bw": gb_per_s / read_gb_per_s,
         "quantize_s": quantize_s,
     });
+    // The memory each call reads from (outside the `json!` above: its recursion limit).
+    line["layers"] = json!(layers);
+    line["single_layer_backends"] = json!(["dense_f32", "dense_bf16", "candle_q4_0"]);
+    line["backend_order"] = json!("rotating");
+    line["int4_working_set_bytes"] = json!(layers * experts * layout.slab_bytes());
+    line["llc_bytes"] = json!(candle_qmoe_suite::system::last_level_cache_bytes());
     println!("{line}");
     if let Some(path) = args.json {
         use std::io::Write;

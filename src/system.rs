@@ -62,6 +62,30 @@ pub fn available_memory_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
+/// The size of the CPU's last-level cache in bytes (the highest `level` under
+/// `/sys/devices/system/cpu/cpu0/cache`), or `null` when unknown: what a benchmark's working
+/// set must exceed to be read from memory.
+pub fn last_level_cache_bytes() -> Option<u64> {
+    let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+    let read = |path: std::path::PathBuf| std::fs::read_to_string(path).ok();
+    dir.filter_map(|entry| {
+        let path = entry.ok()?.path();
+        let level: u32 = read(path.join("level"))?.trim().parse().ok()?;
+        let size = read(path.join("size"))?;
+        let size = size.trim();
+        let (digits, unit) = size.split_at(size.find(|c: char| !c.is_ascii_digit())?);
+        let scale = match unit {
+            "K" => 1 << 10,
+            "M" => 1 << 20,
+            "G" => 1 << 30,
+            _ => return None,
+        };
+        Some((level, digits.parse::<u64>().ok()? * scale))
+    })
+    .max()
+    .map(|(_, bytes)| bytes)
+}
+
 /// The CPU model name, or `null` when unknown.
 pub fn cpu_model() -> Option<String> {
     let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;

@@ -205,6 +205,36 @@ impl GgmlExperts {
             bytes_per_expert,
         })
     }
+
+    /// A copy whose quantized blocks live in memory of their own (`clone` shares them): a
+    /// benchmark that cycles through copies, as a model goes through its layers, never finds
+    /// the next call's weights in cache.
+    pub fn copied(&self) -> candle::Result<Self> {
+        let copy = |m: &QMatMul| -> candle::Result<QMatMul> {
+            match m {
+                QMatMul::QTensor(q) => {
+                    let storage = candle::quantized::QStorage::from_data(
+                        q.data()?.into_owned().into(),
+                        &q.device(),
+                        q.dtype(),
+                    )?;
+                    Ok(QMatMul::from_qtensor(QTensor::new(storage, q.shape())?)?)
+                }
+                QMatMul::Tensor(t) => Ok(QMatMul::Tensor(t.copy()?)),
+                QMatMul::TensorF16(t) => Ok(QMatMul::TensorF16(t.copy()?)),
+            }
+        };
+        let experts = self
+            .experts
+            .iter()
+            .map(|[g, u, d]| Ok([copy(g)?, copy(u)?, copy(d)?]))
+            .collect::<candle::Result<Vec<_>>>()?;
+        Ok(Self {
+            experts,
+            hidden: self.hidden,
+            bytes_per_expert: self.bytes_per_expert,
+        })
+    }
 }
 
 impl RoutedExperts for GgmlExperts {
