@@ -170,7 +170,10 @@ fn run_one(
         "token_ids_block0": campaign.responses.iter().filter(|r| r.block == 0)
             .map(|r| &r.tokens).collect::<Vec<_>>(),
     });
-    let traffic = candle_qmoe_suite::perf::traffic_json(&loaded.model, metrics.decode_tokens_per_s);
+    let mut traffic =
+        candle_qmoe_suite::perf::traffic_json(&loaded.model, metrics.decode_tokens_per_s);
+    let profile = campaign.decode_profile_json(&loaded.model);
+    traffic["decode_profile"] = profile.clone().unwrap_or(Value::Null);
     for fields in [fields, traffic.clone()] {
         if let (Value::Object(run), Value::Object(fields)) = (&mut run, fields) {
             run.extend(fields);
@@ -195,6 +198,9 @@ fn run_one(
             )
         )),
     );
+    if let Some(p) = &profile {
+        println!("{}", candle_qmoe_suite::perf::profile_table(p));
+    }
     Ok(Run {
         label: label.to_string(),
         resident_per_layer: loaded.residency.as_ref().map(|r| r.capacities()),

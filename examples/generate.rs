@@ -207,6 +207,18 @@ fn report(
             candle_qmoe_suite::model::residency_line(&r.stats(), &r.capacities())
         );
     }
+    let profile = g.decode_profile.as_ref().map(|p| {
+        let decoded = g.tokens.len().saturating_sub(1);
+        candle_qmoe_suite::perf::profile_json(
+            &loaded.model,
+            p,
+            decoded,
+            g.decode_time.as_secs_f64(),
+        )
+    });
+    if let Some(p) = &profile {
+        println!("{}", candle_qmoe_suite::perf::profile_table(p));
+    }
     if let Some(path) = &args.stats_json {
         let mut stats = json!({
             "cpu": candle_qmoe_suite::system::cpu_model(),
@@ -237,6 +249,7 @@ fn report(
             "token_ids": g.tokens,
             "residency": candle_qmoe_suite::model::residency_json(loaded.residency.as_ref()),
         });
+        stats["decode_profile"] = profile.unwrap_or(serde_json::Value::Null);
         // bytes_per_token, gb_per_s, dense_weights, activations: as bench records them.
         if let (serde_json::Value::Object(stats), serde_json::Value::Object(traffic)) =
             (&mut stats, traffic)

@@ -121,6 +121,12 @@ pub struct ModelArgs {
     /// CPUs whose cores rather than their memory set the pace). Process-wide.
     #[arg(long, value_parser = parse_arg::<DecodeActivations>)]
     pub decode_acts: Option<DecodeActivations>,
+    /// Time each part of the forward passes while decoding (projections, attention, routers,
+    /// routed experts, lm_head) and report per part the milliseconds and weight bytes per token
+    /// and the bandwidth they reach (`generate` and `bench` print and record it). Process-wide;
+    /// costs about a microsecond per part and layer.
+    #[arg(long)]
+    pub profile: bool,
     /// How the routed experts are stored and computed.
     #[arg(long, value_enum, default_value = "int4")]
     pub experts: Experts,
@@ -321,6 +327,9 @@ impl ModelArgs {
         }
         if let Some(acts) = self.decode_acts {
             acts.set_current();
+        }
+        if self.profile {
+            candle_qmoe::profile::enable(true);
         }
         if self.prefetch {
             loaded.model.enable_prefetch();

@@ -14,6 +14,7 @@ use candle::{DType, Tensor, D};
 use candle_qmoe::generation::generate;
 use candle_qmoe::kernels::cpu::DecodeActivations;
 use candle_qmoe::models::MoeForCausalLm;
+use candle_qmoe::profile::Profile;
 use candle_qmoe::residency::ResidencyStats;
 use serde::Serialize;
 
@@ -127,6 +128,9 @@ pub struct Response {
     /// The generated ids.
     #[serde(skip)]
     pub tokens: Vec<u32>,
+    /// Where the decode time went, with `--profile`.
+    #[serde(skip)]
+    pub decode_profile: Option<Profile>,
 }
 
 /// The memory traffic of decode for the evidence files: `bytes_per_token` (the weight bytes
@@ -143,6 +147,76 @@ pub fn traffic_json(model: &MoeForCausalLm, decode_tokens_per_s: Option<f64>) ->
         "activations": format!("{:?}", model.activation_dtype()).to_lowercase(),
         "decode_acts": DecodeActivations::current().name(),
     })
+}
+
+/// Where decoding's time went (`--profile`): per part of the forward pass its milliseconds,
+/// calls and weight bytes per decoded token, its share of the decode time and the bandwidth it
+/// reached (for parts that stream their weights, [`candle_qmoe::profile::Part::streams_weights`]);
+/// `other_ms_per_token` is the decode time outside the parts. `decoded` counts the
+/// forward passes of decoding (generated tokens − 1 per response), `decode_s` their time.
+pub fn profile_json(
+    model: &MoeForCausalLm,
+    profile: &Profile,
+    decoded: usize,
+    decode_s: f64,
+) -> serde_json::Value {
+    let n = decoded.max(1) as f64;
+    let bytes = model.weight_bytes_by_part();
+    let parts: Vec<_> = profile
+        .parts()
+        .map(|(part, time, calls)| {
+            let s = time.as_secs_f64() / n;
+            let b = bytes
+                .iter()
+                .find(|(p, _)| *p == part)
+                .map_or(0, |(_, b)| *b);
+            serde_json::json!({
+                "part": part.name(),
+                "ms_per_token": 1e3 * s,
+                "share_of_decode": s * n / decode_s,
+                "calls_per_token": calls as f64 / n,
+                "weight_bytes_per_token": b,
+                "gb_per_s": (part.streams_weights() && b > 0 && s > 0.0)
+                    .then(|| b as f64 / s / 1e9),
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "decoded_tokens": decoded,
+        "ms_per_token": 1e3 * decode_s / n,
+        "other_ms_per_token": 1e3 * (decode_s - profile.total().as_secs_f64()) / n,
+        "parts": parts,
+    })
+}
+
+/// [`profile_json`] as a table for the terminal.
+pub fn profile_table(profile: &serde_json::Value) -> String {
+    let mut out = format!(
+        "{:<20} {:>9} {:>7} {:>12} {:>8}\n",
+        "decode profile", "ms/token", "share", "weights/tok", "GB/s"
+    );
+    let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+    for p in profile["parts"].as_array().into_iter().flatten() {
+        let bytes = p["weight_bytes_per_token"].as_u64().unwrap_or(0);
+        out += &format!(
+            "{:<20} {:>9.3} {:>6.1}% {:>12} {:>8}\n",
+            p["part"].as_str().unwrap_or("?"),
+            f(p, "ms_per_token"),
+            100.0 * f(p, "share_of_decode"),
+            candle_qmoe::plan::format_bytes(bytes),
+            p["gb_per_s"]
+                .as_f64()
+                .map_or("-".into(), |g| format!("{g:.1}")),
+        );
+    }
+    out += &format!(
+        "{:<20} {:>9.3}\n{:<20} {:>9.3}",
+        "other",
+        f(profile, "other_ms_per_token"),
+        "total",
+        f(profile, "ms_per_token")
+    );
+    out
 }
 
 /// `ids` repeated and cut to exactly `n` tokens (a fixed prompt length, as llama.cpp's
@@ -268,6 +342,24 @@ pub struct Campaign {
     pub suppressed: Vec<u32>,
 }
 
+impl Campaign {
+    /// [`profile_json`] over the measured responses' decoding, with `--profile`.
+    pub fn decode_profile_json(&self, model: &MoeForCausalLm) -> Option<serde_json::Value> {
+        let profiles = self.responses.iter().map(|r| r.decode_profile.as_ref());
+        let total = profiles
+            .collect::<Option<Vec<_>>>()?
+            .into_iter()
+            .fold(Profile::default(), |sum, p| sum.plus(p));
+        let decoded = self
+            .responses
+            .iter()
+            .map(|r| r.generated.saturating_sub(1))
+            .sum();
+        let decode_s = self.responses.iter().map(|r| r.decode_s).sum();
+        Some(profile_json(model, &total, decoded, decode_s))
+    }
+}
+
 /// Runs `contract` on `loaded`: greedy, end-of-sequence suppressed, one request at a time; the
 /// chat template is applied as `generate` applies it (Instruct/Chat and synthetic models).
 /// `on_token` is called after every generated token, warm-up included.
@@ -361,6 +453,7 @@ pub fn run_campaign(
                 decode_s: g.decode_time.as_secs_f64(),
                 response_s,
                 tokens: g.tokens,
+                decode_profile: g.decode_profile,
             });
         }
     }

@@ -27,6 +27,7 @@ fn response(
         decode_s,
         response_s: 0.5 + decode_s,
         tokens: tokens.to_vec(),
+        decode_profile: None,
     }
 }
 

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use candle::Tensor;
 
 use crate::models::MoeForCausalLm;
+use crate::profile::{self, Profile};
 use crate::QmoeError;
 
 /// Most prompt tokens per forward pass during prefill.
@@ -65,6 +66,9 @@ pub struct Generation {
     pub time_to_first_token: Duration,
     /// From the first token until the last one was sampled.
     pub decode_time: Duration,
+    /// Wall time per part of the forward passes in `decode_time`, when [`crate::profile`] was
+    /// on.
+    pub decode_profile: Option<Profile>,
 }
 
 impl Generation {
@@ -123,12 +127,15 @@ pub fn generate(
             stop: StopReason::MaxTokens,
             time_to_first_token: Duration::ZERO,
             decode_time: Duration::ZERO,
+            decode_profile: None,
         });
     }
     let mut logits = prefill(model, prompt, PREFILL_CHUNK)?;
+    let mut decode_start = None;
     let stop = loop {
         let next = sample(&logits, &all)?;
         first_token_at.get_or_insert_with(Instant::now);
+        decode_start.get_or_insert_with(profile::snapshot);
         all.push(next);
         on_token(next)?;
         if eos.contains(&next) {
@@ -145,12 +152,16 @@ pub fn generate(
     };
     let end = Instant::now();
     let first = first_token_at.unwrap_or(end);
+    let decode_profile = decode_start
+        .filter(|_| profile::enabled())
+        .map(|start| profile::snapshot().since(&start));
     Ok(Generation {
         prompt_tokens: prompt.len(),
         tokens: all.split_off(prompt.len()),
         stop,
         time_to_first_token: first - start,
         decode_time: end - first,
+        decode_profile,
     })
 }
 

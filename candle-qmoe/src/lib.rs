@@ -14,6 +14,7 @@
 //! * [`generation`] — the generation loop with prefill/decode timings.
 //! * [`pool`] — rayon's pool, where the CPU kernels run: driving a model from it, and its
 //!   workers kept awake through a model step.
+//! * [`profile`] — an opt-in tally of wall time per part of the forward pass (`--profile`).
 //! * [`parity`] — fidelity metrics against a transformers golden file.
 //! * [`plan`] — memory prediction per component and the fit of the expert cache to a budget.
 //! * [`synthetic`] — deterministic random weights and routings with realistic scales, and whole
@@ -84,6 +85,7 @@ pub mod pack;
 pub mod parity;
 pub mod plan;
 pub mod pool;
+pub mod profile;
 pub mod residency;
 pub mod safetensors_writer;
 pub mod synthetic;

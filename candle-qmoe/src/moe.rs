@@ -12,6 +12,7 @@ use candle_nn::VarBuilder;
 
 use crate::mlp::GatedMlp;
 use crate::pack::{DenseExpert, ExpertNames};
+use crate::profile::{self, Part};
 use crate::{DenseLinear, QmoeError, RoutedExperts};
 
 /// The routing decision for a batch of tokens.
@@ -319,9 +320,22 @@ impl SparseMoe {
     /// Weight bytes one token reads in this block: the router, its top-k experts and the
     /// shared expert.
     pub fn weight_bytes_per_token(&self) -> usize {
-        self.router.weight_bytes()
-            + self.top_k * self.experts.bytes_per_expert()
-            + self.shared.as_ref().map_or(0, SharedExpert::weight_bytes)
+        self.weight_bytes_by_part().iter().map(|(_, b)| b).sum()
+    }
+
+    /// [`Self::weight_bytes_per_token`] by the part of the pass that reads them.
+    pub fn weight_bytes_by_part(&self) -> [(Part, usize); 3] {
+        [
+            (Part::Router, self.router.weight_bytes()),
+            (
+                Part::RoutedExperts,
+                self.top_k * self.experts.bytes_per_expert(),
+            ),
+            (
+                Part::SharedExpert,
+                self.shared.as_ref().map_or(0, SharedExpert::weight_bytes),
+            ),
+        ]
     }
 
     /// The routed experts' work since the block was built (shared with its clones): every
@@ -363,15 +377,16 @@ impl SparseMoe {
         } else {
             flat
         };
-        let routing = self.route(&flat)?;
+        let routing = profile::time(Part::Router, || self.route(&flat))?;
         self.traffic
             .record(&routing.expert_ids, self.experts.num_experts())?;
         self.prefetch_next(&flat)?;
-        let mut out = self
-            .experts
-            .forward(&flat, &routing.expert_ids, &routing.weights)?;
+        let mut out = profile::time(Part::RoutedExperts, || {
+            self.experts
+                .forward(&flat, &routing.expert_ids, &routing.weights)
+        })?;
         if let Some(shared) = &self.shared {
-            out = (out + shared.forward(&flat)?)?;
+            out = profile::time(Part::SharedExpert, || out + shared.forward(&flat)?)?;
         }
         Ok((out.reshape(dims)?, routing))
     }

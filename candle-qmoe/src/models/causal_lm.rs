@@ -14,6 +14,7 @@ use super::layers::{
 use crate::linear::{activation_dtype, DenseLinear};
 use crate::moe::ExpertTraffic;
 use crate::pool;
+use crate::profile;
 use crate::{QmoeError, SparseMoe};
 
 /// The KV caches of one sequence, for every layer of a model (made by
@@ -397,9 +398,11 @@ impl MoeForCausalLm {
 
     /// Final norm and `lm_head` of hidden states `[B, S, H]`: logits `[B, S, vocab]` (F32).
     fn logits(&self, xs: &Tensor) -> candle::Result<Tensor> {
-        self.lm_head
-            .forward(&self.norm.forward(xs)?)?
-            .to_dtype(DType::F32)
+        profile::time(profile::Part::LmHead, || {
+            self.lm_head
+                .forward(&self.norm.forward(xs)?)?
+                .to_dtype(DType::F32)
+        })
     }
 
     fn run(
@@ -493,13 +496,28 @@ impl MoeForCausalLm {
     pub fn weight_bytes_per_token(&self) -> usize {
         let embeddings = self.embed_tokens.embeddings();
         let embedding_row = embeddings.dim(1).unwrap_or(0) * embeddings.dtype().size_in_bytes();
-        self.layers
+        self.weight_bytes_by_part()
             .iter()
-            .map(DecoderLayer::weight_bytes_per_token)
+            .map(|(_, b)| b)
             .sum::<usize>()
-            + self.norm.weight_bytes()
-            + self.lm_head.weight_bytes()
             + embedding_row
+    }
+
+    /// [`Self::weight_bytes_per_token`] by the part of the pass that reads them, summed over
+    /// the layers, in [`profile::Part::ALL`]'s order (the embedding row aside): next to a
+    /// [`profile::Profile`], each part's bandwidth.
+    pub fn weight_bytes_by_part(&self) -> Vec<(profile::Part, usize)> {
+        let head = self.norm.weight_bytes() + self.lm_head.weight_bytes();
+        let all: Vec<_> = self
+            .layers
+            .iter()
+            .flat_map(DecoderLayer::weight_bytes_by_part)
+            .chain([(profile::Part::LmHead, head)])
+            .collect();
+        profile::Part::ALL
+            .into_iter()
+            .map(|p| (p, all.iter().filter(|(q, _)| *q == p).map(|(_, b)| b).sum()))
+            .collect()
     }
 
     /// Bytes the KV caches of all layers hold allocated.

@@ -20,6 +20,7 @@ use crate::kernels::attention::{attend, KvCache, KvDtype};
 use crate::linear::{activation_dtype, DenseLinear};
 use crate::mlp::GatedMlp;
 use crate::moe::SharedExpert;
+use crate::profile::{self, Part};
 use crate::SparseMoe;
 
 /// RMSNorm as transformers computes it: `weight · to_dtype(x / sqrt(mean(x²) + eps))`, the
@@ -345,7 +346,20 @@ impl Attention {
     /// keys and values to that cache. The projections run once over all `N` tokens; rotary
     /// embedding and attention per span.
     pub(crate) fn forward(&self, xs: &Tensor, spans: &mut [SeqSpan]) -> candle::Result<Tensor> {
-        let [mut q, mut k, mut v] = self.qkv.forward(xs)?;
+        let [q, k, v] = profile::time(Part::QkvProjection, || self.qkv.forward(xs))?;
+        let out = profile::time(Part::Attention, || self.attend(q, k, v, spans))?;
+        profile::time(Part::OutputProjection, || self.o_proj.forward(&out))
+    }
+
+    /// Attention of the projected `q`, `k`, `v [B, N, heads · D]` over each span's cache (q/k
+    /// norm, `clip_qkv`, rotary embedding inside); returns `[B, N, heads · D]` before `o_proj`.
+    fn attend(
+        &self,
+        mut q: Tensor,
+        mut k: Tensor,
+        mut v: Tensor,
+        spans: &mut [SeqSpan],
+    ) -> candle::Result<Tensor> {
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             q = self.qk_norm(qn, &q, self.num_heads)?;
             k = self.qk_norm(kn, &k, self.num_kv_heads)?;
@@ -355,7 +369,7 @@ impl Attention {
             k = k.clamp(-c, c)?;
             v = v.clamp(-c, c)?;
         }
-        let fused = fused_attention(xs.device(), q.dtype());
+        let fused = fused_attention(q.device(), q.dtype());
         let mut parts = spans
             .iter_mut()
             .map(|span| {
@@ -367,11 +381,10 @@ impl Attention {
                 }
             })
             .collect::<candle::Result<Vec<_>>>()?;
-        let out = match parts.len() {
-            1 => parts.swap_remove(0),
-            _ => Tensor::cat(&parts, 1)?,
-        };
-        self.o_proj.forward(&out)
+        match parts.len() {
+            1 => Ok(parts.swap_remove(0)),
+            _ => Tensor::cat(&parts, 1),
+        }
     }
 
     /// `norm` applied to `xs [B, S, heads · D]`: over each head's `D` values, or over all of
@@ -478,12 +491,21 @@ impl Attention {
 
     /// Bytes of the projections and norms: what one token reads (the KV cache aside).
     pub fn weight_bytes(&self) -> usize {
-        self.qkv.weight_bytes()
-            + self.o_proj.weight_bytes()
-            + [&self.q_norm, &self.k_norm]
-                .iter()
-                .filter_map(|n| n.as_ref().map(RmsNorm::weight_bytes))
-                .sum::<usize>()
+        self.weight_bytes_by_part().iter().map(|(_, b)| b).sum()
+    }
+
+    /// [`Self::weight_bytes`] by the part of the pass that reads them (the q/k norms in
+    /// [`Part::Attention`]).
+    pub fn weight_bytes_by_part(&self) -> [(Part, usize); 3] {
+        let qk_norms = [&self.q_norm, &self.k_norm]
+            .iter()
+            .filter_map(|n| n.as_ref().map(RmsNorm::weight_bytes))
+            .sum::<usize>();
+        [
+            (Part::QkvProjection, self.qkv.weight_bytes()),
+            (Part::Attention, qk_norms),
+            (Part::OutputProjection, self.o_proj.weight_bytes()),
+        ]
     }
 }
 
@@ -542,16 +564,21 @@ impl FeedForward {
     /// Weight bytes one token reads: the dense MLP, or the MoE block's router, top-k experts
     /// and shared expert.
     pub fn weight_bytes_per_token(&self) -> usize {
+        self.weight_bytes_by_part().iter().map(|(_, b)| b).sum()
+    }
+
+    /// [`Self::weight_bytes_per_token`] by the part of the pass that reads them.
+    pub fn weight_bytes_by_part(&self) -> Vec<(Part, usize)> {
         match self {
-            Self::Dense(mlp) => mlp.weight_bytes(),
-            Self::Moe(moe) => moe.weight_bytes_per_token(),
+            Self::Dense(mlp) => vec![(Part::DenseMlp, mlp.weight_bytes())],
+            Self::Moe(moe) => moe.weight_bytes_by_part().to_vec(),
         }
     }
 
     /// The block's output and, for a MoE block, its router logits `[N, E]`.
     pub fn forward(&self, xs: &Tensor) -> candle::Result<(Tensor, Option<Tensor>)> {
         match self {
-            Self::Dense(mlp) => Ok((mlp.forward(xs)?, None)),
+            Self::Dense(mlp) => Ok((profile::time(Part::DenseMlp, || mlp.forward(xs))?, None)),
             Self::Moe(moe) => {
                 let (out, routing) = moe.forward_with_routing(xs)?;
                 Ok((out, Some(routing.logits)))
@@ -594,14 +621,16 @@ impl DecoderLayer {
         xs: &Tensor,
         spans: &mut [SeqSpan],
     ) -> candle::Result<(Tensor, Option<Tensor>)> {
-        let attn = self
-            .self_attn
-            .forward(&self.input_layernorm.forward(xs)?, spans)?;
-        let xs = (xs + attn)?;
-        let (ffn, router_logits) = self
-            .mlp
-            .forward(&self.post_attention_layernorm.forward(&xs)?)?;
-        Ok(((xs + ffn)?, router_logits))
+        let norms = Part::NormsAndResiduals;
+        let normed = profile::time(norms, || self.input_layernorm.forward(xs))?;
+        let attn = self.self_attn.forward(&normed, spans)?;
+        let (xs, normed) = profile::time(norms, || -> candle::Result<_> {
+            let xs = (xs + attn)?;
+            let normed = self.post_attention_layernorm.forward(&xs)?;
+            Ok((xs, normed))
+        })?;
+        let (ffn, router_logits) = self.mlp.forward(&normed)?;
+        Ok((profile::time(norms, || xs + ffn)?, router_logits))
     }
 
     /// Puts the layer's projections in INT8: attention, a dense MLP or a shared expert (routers
@@ -617,10 +646,17 @@ impl DecoderLayer {
 
     /// Weight bytes one token reads in this layer (norms, attention, feed-forward).
     pub fn weight_bytes_per_token(&self) -> usize {
-        self.input_layernorm.weight_bytes()
-            + self.self_attn.weight_bytes()
-            + self.post_attention_layernorm.weight_bytes()
-            + self.mlp.weight_bytes_per_token()
+        self.weight_bytes_by_part().iter().map(|(_, b)| b).sum()
+    }
+
+    /// [`Self::weight_bytes_per_token`] by the part of the pass that reads them.
+    pub fn weight_bytes_by_part(&self) -> Vec<(Part, usize)> {
+        let norms =
+            self.input_layernorm.weight_bytes() + self.post_attention_layernorm.weight_bytes();
+        std::iter::once((Part::NormsAndResiduals, norms))
+            .chain(self.self_attn.weight_bytes_by_part())
+            .chain(self.mlp.weight_bytes_by_part())
+            .collect()
     }
 
     /// The feed-forward block.
