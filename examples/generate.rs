@@ -208,12 +208,15 @@ fn report(
         );
     }
     let profile = g.decode_profile.as_ref().map(|p| {
+        use candle_qmoe_suite::perf::{mean_decode_context, profile_json};
         let decoded = g.tokens.len().saturating_sub(1);
-        candle_qmoe_suite::perf::profile_json(
+        let context = mean_decode_context(g.prompt_tokens, g.tokens.len());
+        profile_json(
             &loaded.model,
             p,
             decoded,
             g.decode_time.as_secs_f64(),
+            context,
         )
     });
     if let Some(p) = &profile {

@@ -14,7 +14,7 @@ use candle::{DType, Tensor, D};
 use candle_qmoe::generation::generate;
 use candle_qmoe::kernels::cpu::DecodeActivations;
 use candle_qmoe::models::MoeForCausalLm;
-use candle_qmoe::profile::Profile;
+use candle_qmoe::profile::{Part, Profile};
 use candle_qmoe::residency::ResidencyStats;
 use serde::Serialize;
 
@@ -150,54 +150,69 @@ pub fn traffic_json(model: &MoeForCausalLm, decode_tokens_per_s: Option<f64>) ->
 }
 
 /// Where decoding's time went (`--profile`): per part of the forward pass its milliseconds,
-/// calls and weight bytes per decoded token, its share of the decode time and the bandwidth it
-/// reached (for parts that stream their weights, [`candle_qmoe::profile::Part::streams_weights`]);
-/// `other_ms_per_token` is the decode time outside the parts. `decoded` counts the
-/// forward passes of decoding (generated tokens − 1 per response), `decode_s` their time.
+/// calls and bytes per decoded token (its weights; for the attention also the KV cache it reads
+/// at `mean_context` positions), its share of the decode time and the bandwidth it reached (not
+/// for the norms and residuals, whose traffic is activations); `other_ms_per_token` is the
+/// decode time outside the parts. `decoded` counts the forward passes of decoding (generated
+/// tokens − 1 per response), `decode_s` their time.
 pub fn profile_json(
     model: &MoeForCausalLm,
     profile: &Profile,
     decoded: usize,
     decode_s: f64,
+    mean_context: f64,
 ) -> serde_json::Value {
     let n = decoded.max(1) as f64;
-    let bytes = model.weight_bytes_by_part();
+    let weights = model.weight_bytes_by_part();
+    let kv_bytes = model.kv_bytes_per_position() as f64 * mean_context;
     let parts: Vec<_> = profile
         .parts()
         .map(|(part, time, calls)| {
             let s = time.as_secs_f64() / n;
-            let b = bytes
+            let w = weights
                 .iter()
                 .find(|(p, _)| *p == part)
                 .map_or(0, |(_, b)| *b);
+            let kv = (part == Part::Attention).then_some(kv_bytes);
+            let bytes = w as f64 + kv.unwrap_or(0.0);
             serde_json::json!({
                 "part": part.name(),
                 "ms_per_token": 1e3 * s,
                 "share_of_decode": s * n / decode_s,
                 "calls_per_token": calls as f64 / n,
-                "weight_bytes_per_token": b,
-                "gb_per_s": (part.streams_weights() && b > 0 && s > 0.0)
-                    .then(|| b as f64 / s / 1e9),
+                "weight_bytes_per_token": w,
+                "kv_bytes_per_token": kv,
+                "gb_per_s": (part != Part::NormsAndResiduals && bytes > 0.0 && s > 0.0)
+                    .then(|| bytes / s / 1e9),
             })
         })
         .collect();
     serde_json::json!({
         "decoded_tokens": decoded,
+        "mean_context": mean_context,
         "ms_per_token": 1e3 * decode_s / n,
         "other_ms_per_token": 1e3 * (decode_s - profile.total().as_secs_f64()) / n,
         "parts": parts,
     })
 }
 
+/// The mean number of positions a decoded token attends over when `generated` tokens follow a
+/// prompt of `prompt` tokens: decoding step `t` (1 to `generated − 1`) attends over
+/// `prompt + t`.
+pub fn mean_decode_context(prompt: usize, generated: usize) -> f64 {
+    prompt as f64 + generated as f64 / 2.0
+}
+
 /// [`profile_json`] as a table for the terminal.
 pub fn profile_table(profile: &serde_json::Value) -> String {
     let mut out = format!(
         "{:<20} {:>9} {:>7} {:>12} {:>8}\n",
-        "decode profile", "ms/token", "share", "weights/tok", "GB/s"
+        "decode profile", "ms/token", "share", "bytes/tok", "GB/s"
     );
     let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
     for p in profile["parts"].as_array().into_iter().flatten() {
-        let bytes = p["weight_bytes_per_token"].as_u64().unwrap_or(0);
+        let bytes = p["weight_bytes_per_token"].as_u64().unwrap_or(0)
+            + p["kv_bytes_per_token"].as_f64().unwrap_or(0.0) as u64;
         out += &format!(
             "{:<20} {:>9.3} {:>6.1}% {:>12} {:>8}\n",
             p["part"].as_str().unwrap_or("?"),
@@ -350,13 +365,16 @@ impl Campaign {
             .collect::<Option<Vec<_>>>()?
             .into_iter()
             .fold(Profile::default(), |sum, p| sum.plus(p));
-        let decoded = self
+        let decoded_of = |r: &Response| r.generated.saturating_sub(1);
+        let decoded: usize = self.responses.iter().map(decoded_of).sum();
+        let decode_s = self.responses.iter().map(|r| r.decode_s).sum();
+        let context: f64 = self
             .responses
             .iter()
-            .map(|r| r.generated.saturating_sub(1))
+            .map(|r| decoded_of(r) as f64 * mean_decode_context(r.prompt_tokens, r.generated))
             .sum();
-        let decode_s = self.responses.iter().map(|r| r.decode_s).sum();
-        Some(profile_json(model, &total, decoded, decode_s))
+        let mean_context = context / decoded.max(1) as f64;
+        Some(profile_json(model, &total, decoded, decode_s, mean_context))
     }
 }
 

@@ -7,6 +7,7 @@ use candle_qmoe::generation::{argmax, generate};
 use candle_qmoe::models::MoeForCausalLm;
 use candle_qmoe::pack::GroupSize;
 use candle_qmoe::synthetic::{SyntheticKind, SyntheticModel};
+use candle_qmoe_suite::perf::{mean_decode_context, profile_json};
 
 const PROMPT: [u32; 6] = [50279, 510, 3158, 8516, 30013, 27287];
 
@@ -70,4 +71,33 @@ fn decode_profile_times_every_part_of_the_pass() {
     }
     // The tiny model has neither shared experts nor dense layers.
     assert_eq!(bytes(Part::SharedExpert) + bytes(Part::DenseMlp), 0);
+
+    // The report: the attention's bytes are the KV cache it reads (F32 here) at the mean
+    // context of the decoding steps: 6 + 1 … 6 + 8 positions, 10.5 on average.
+    let spec = s.spec();
+    let per_position = spec.num_layers() * 2 * spec.num_kv_heads * spec.head_dim * 4;
+    assert_eq!(model.kv_bytes_per_position(), per_position);
+    let context = mean_decode_context(PROMPT.len(), g.tokens.len());
+    assert_eq!(context, 10.5);
+    let report = profile_json(
+        &model,
+        &p,
+        decoded as usize,
+        g.decode_time.as_secs_f64(),
+        context,
+    );
+    let part = |name: &str| {
+        let parts = report["parts"].as_array().unwrap();
+        parts.iter().find(|x| x["part"] == name).unwrap().clone()
+    };
+    let attention = part("attention");
+    assert_eq!(
+        attention["kv_bytes_per_token"].as_f64(),
+        Some(per_position as f64 * 10.5)
+    );
+    assert!(attention["gb_per_s"].as_f64().is_some_and(|g| g > 0.0));
+    assert!(part("norms_and_residuals")["gb_per_s"].is_null());
+    assert!(part("routed_experts")["kv_bytes_per_token"].is_null());
+    let other = report["other_ms_per_token"].as_f64().unwrap();
+    assert!(other >= 0.0, "{other}");
 }

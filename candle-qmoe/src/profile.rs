@@ -50,13 +50,6 @@ impl Part {
         Self::LmHead,
     ];
 
-    /// Whether the part's memory traffic is mostly its weights, so that weight bytes over time
-    /// is its bandwidth: not for the attention (the KV cache) nor the norms and residuals
-    /// (activations).
-    pub fn streams_weights(self) -> bool {
-        !matches!(self, Self::Attention | Self::NormsAndResiduals)
-    }
-
     /// The name in reports and JSON.
     pub fn name(self) -> &'static str {
         match self {

@@ -58,6 +58,12 @@ impl SequenceCache {
         self.layers.iter().map(KvStore::allocated_bytes).sum()
     }
 
+    /// Bytes of keys and values per position over all layers: what a decoded token's attention
+    /// reads per position of its context.
+    pub fn bytes_per_position(&self) -> usize {
+        self.layers.iter().map(KvStore::bytes_per_position).sum()
+    }
+
     /// Drops every layer's positions from `self.len` on: undoes a failed step's appends. (If a
     /// layer could not be cut, which cannot happen, the sequence starts over.)
     fn roll_back(&mut self) {
@@ -523,6 +529,13 @@ impl MoeForCausalLm {
     /// Bytes the KV caches of all layers hold allocated.
     pub fn kv_cache_bytes(&self) -> usize {
         self.cache.allocated_bytes()
+    }
+
+    /// Bytes of keys and values per cached position of the model's own sequence, over all
+    /// layers (0 before the first pass): times the context length, what a decoded token's
+    /// attention reads.
+    pub fn kv_bytes_per_position(&self) -> usize {
+        self.cache.bytes_per_position()
     }
 
     /// The device the weights live on.

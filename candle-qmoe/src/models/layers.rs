@@ -195,6 +195,19 @@ impl KvStore {
         }
     }
 
+    /// Bytes of keys and values per position: what attending over one position reads (0 while
+    /// empty).
+    pub(crate) fn bytes_per_position(&self) -> usize {
+        match self {
+            Self::Empty => 0,
+            Self::Tensors(k, v) => {
+                let (b, heads, _, d) = k.dims4().unwrap_or_default();
+                b * heads * d * (k.dtype().size_in_bytes() + v.dtype().size_in_bytes())
+            }
+            Self::Host(c) => c.bytes_per_position(),
+        }
+    }
+
     /// Keeps the first `len` positions (undoes the appends of a failed step); empty when `len`
     /// is 0, unchanged when it holds no more than `len`.
     pub(crate) fn truncate(&mut self, len: usize) -> candle::Result<()> {
