@@ -207,18 +207,15 @@ fn report(
             candle_qmoe_suite::model::residency_line(&r.stats(), &r.capacities())
         );
     }
-    let profile = g.decode_profile.as_ref().map(|p| {
-        use candle_qmoe_suite::perf::{mean_decode_context, profile_json};
-        let decoded = g.tokens.len().saturating_sub(1);
-        let context = mean_decode_context(g.prompt_tokens, g.tokens.len());
-        profile_json(
-            &loaded.model,
-            p,
-            decoded,
+    let profile = candle_qmoe_suite::perf::decode_profile_json(
+        &loaded.model,
+        [(
+            g.decode_profile.as_ref(),
+            g.prompt_tokens,
+            g.tokens.len(),
             g.decode_time.as_secs_f64(),
-            context,
-        )
-    });
+        )],
+    );
     if let Some(p) = &profile {
         println!("{}", candle_qmoe_suite::perf::profile_table(p));
     }

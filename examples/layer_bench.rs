@@ -344,7 +344,12 @@ fn main() -> Result<()> {
     });
     // The memory each call reads from (outside the `json!` above: its recursion limit).
     line["layers"] = json!(layers);
-    line["single_layer_backends"] = json!(["dense_f32", "dense_bf16", "candle_q4_0"]);
+    let single: Vec<&str> = backends
+        .iter()
+        .filter(|(_, copies)| copies.len() < layers)
+        .map(|(n, _)| n.as_str())
+        .collect();
+    line["single_layer_backends"] = json!(single);
     line["backend_order"] = json!("rotating");
     line["int4_working_set_bytes"] = json!(layers * experts * layout.slab_bytes());
     line["llc_bytes"] = json!(candle_qmoe_suite::system::last_level_cache_bytes());

@@ -196,6 +196,24 @@ pub fn profile_json(
     })
 }
 
+/// [`profile_json`] over the decoding of several responses, each given as its profile, prompt
+/// tokens, generated tokens and decode seconds; `None` when one of them was not profiled.
+pub fn decode_profile_json<'a>(
+    model: &MoeForCausalLm,
+    responses: impl IntoIterator<Item = (Option<&'a Profile>, usize, usize, f64)>,
+) -> Option<serde_json::Value> {
+    let (mut total, mut decoded, mut decode_s, mut context) = (Profile::default(), 0, 0.0, 0.0);
+    for (profile, prompt, generated, secs) in responses {
+        let n = generated.saturating_sub(1);
+        total = total.plus(profile?);
+        decoded += n;
+        decode_s += secs;
+        context += n as f64 * mean_decode_context(prompt, generated);
+    }
+    let mean_context = context / decoded.max(1) as f64;
+    Some(profile_json(model, &total, decoded, decode_s, mean_context))
+}
+
 /// The mean number of positions a decoded token attends over when `generated` tokens follow a
 /// prompt of `prompt` tokens: decoding step `t` (1 to `generated − 1`) attends over
 /// `prompt + t`.
@@ -358,23 +376,15 @@ pub struct Campaign {
 }
 
 impl Campaign {
-    /// [`profile_json`] over the measured responses' decoding, with `--profile`.
+    /// [`decode_profile_json`] over the measured responses, with `--profile`.
     pub fn decode_profile_json(&self, model: &MoeForCausalLm) -> Option<serde_json::Value> {
-        let profiles = self.responses.iter().map(|r| r.decode_profile.as_ref());
-        let total = profiles
-            .collect::<Option<Vec<_>>>()?
-            .into_iter()
-            .fold(Profile::default(), |sum, p| sum.plus(p));
-        let decoded_of = |r: &Response| r.generated.saturating_sub(1);
-        let decoded: usize = self.responses.iter().map(decoded_of).sum();
-        let decode_s = self.responses.iter().map(|r| r.decode_s).sum();
-        let context: f64 = self
-            .responses
-            .iter()
-            .map(|r| decoded_of(r) as f64 * mean_decode_context(r.prompt_tokens, r.generated))
-            .sum();
-        let mean_context = context / decoded.max(1) as f64;
-        Some(profile_json(model, &total, decoded, decode_s, mean_context))
+        decode_profile_json(
+            model,
+            self.responses.iter().map(|r| {
+                let p = r.decode_profile.as_ref();
+                (p, r.prompt_tokens, r.generated, r.decode_s)
+            }),
+        )
     }
 }
 

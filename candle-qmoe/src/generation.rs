@@ -67,7 +67,7 @@ pub struct Generation {
     /// From the first token until the last one was sampled.
     pub decode_time: Duration,
     /// Wall time per part of the forward passes in `decode_time`, when [`crate::profile`] was
-    /// on.
+    /// on as decoding began.
     pub decode_profile: Option<Profile>,
 }
 
@@ -135,7 +135,9 @@ pub fn generate(
     let stop = loop {
         let next = sample(&logits, &all)?;
         first_token_at.get_or_insert_with(Instant::now);
-        decode_start.get_or_insert_with(profile::snapshot);
+        if profile::enabled() {
+            decode_start.get_or_insert_with(profile::snapshot);
+        }
         all.push(next);
         on_token(next)?;
         if eos.contains(&next) {
@@ -152,9 +154,7 @@ pub fn generate(
     };
     let end = Instant::now();
     let first = first_token_at.unwrap_or(end);
-    let decode_profile = decode_start
-        .filter(|_| profile::enabled())
-        .map(|start| profile::snapshot().since(&start));
+    let decode_profile = decode_start.map(|start| profile::snapshot().since(&start));
     Ok(Generation {
         prompt_tokens: prompt.len(),
         tokens: all.split_off(prompt.len()),

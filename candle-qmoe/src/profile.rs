@@ -10,11 +10,8 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
-
 /// A part of a forward pass that [`time`] measures.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Part {
     /// The q, k and v projections.
     QkvProjection,
@@ -135,7 +132,10 @@ impl Profile {
     pub fn parts(&self) -> impl Iterator<Item = (Part, Duration, u64)> + '_ {
         Part::ALL
             .into_iter()
-            .map(|p| (p, self.get(p).0, self.get(p).1))
+            .map(|p| {
+                let (time, calls) = self.get(p);
+                (p, time, calls)
+            })
             .filter(|(_, _, calls)| *calls > 0)
     }
 }
@@ -158,8 +158,8 @@ mod tests {
 
     #[test]
     fn counts_only_while_enabled_and_subtracts_snapshots() {
-        // Parts other tests of this crate never time, so that tests running in parallel do not
-        // disturb the counts.
+        // Only this test turns the tally on, so nothing counts while it is off; while it is on,
+        // another test running a model in parallel may add calls (checked as "at least").
         let before = snapshot();
         enable(false);
         assert_eq!(time(Part::DenseMlp, || 7), 7);
@@ -169,7 +169,6 @@ mod tests {
         time(Part::DenseMlp, || std::thread::sleep(sleep));
         time(Part::DenseMlp, || std::thread::sleep(sleep));
         enable(false);
-        // At least: a test running a model with dense layers in parallel may add calls.
         let d = snapshot().since(&before);
         let (t, calls) = d.get(Part::DenseMlp);
         assert!(calls >= 2 && t >= 2 * sleep, "{calls} calls, {t:?}");
