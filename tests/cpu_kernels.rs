@@ -3,7 +3,7 @@
 //! fused attention over the in-place KV cache at short and 4096-token contexts.
 
 use candle::{DType, Device, Module, Tensor};
-use candle_qmoe::kernels::attention::{attend, KvCache, KvDtype};
+use candle_qmoe::kernels::attention::{attend_with_isa, KvCache, KvDtype};
 use candle_qmoe::kernels::cpu::CpuIsa;
 use candle_qmoe::kernels::dense::{bf16_matmul, int8_matmul, Int8Matrix, INT8_GROUP};
 use candle_qmoe::DenseLinear;
@@ -279,6 +279,7 @@ fn attention_f64(
 /// reference over the stored keys and values (rounded to BF16 for a BF16 cache: the rounding
 /// is the cache's storage, not the kernel's arithmetic).
 fn attention_case(
+    isa: CpuIsa,
     dtype: KvDtype,
     chunks: &[usize],
     silent: usize,
@@ -308,11 +309,12 @@ fn attention_case(
             continue;
         }
         let q = rng.normals(s * heads * d, 1.0);
-        let got = attend(&q, &cache, s, heads, 1.0 / (d as f32).sqrt());
+        let got = attend_with_isa(&q, &cache, s, heads, 1.0 / (d as f32).sqrt(), isa);
         let want = attention_f64(&q, &k_ref[..b], &v_ref[..b], s, len, heads, kv_heads, d);
         // Scores carry F32 dot-product rounding (~d · 2⁻²⁴ · Σ|q·k| ≈ 1e-5 absolute), which
-        // moves each softmax weight by that relative amount; outputs are convex combinations
-        // of values of size ~1, so 1e-4 absolute is a safe bound.
+        // moves each softmax weight by that relative amount (the SIMD path's exp adds ~2 ulp);
+        // outputs are convex combinations of values of size ~1, so 1e-4 absolute is a safe
+        // bound.
         let err = got
             .iter()
             .zip(&want)
@@ -320,7 +322,7 @@ fn attention_case(
             .fold(0f64, f64::max);
         assert!(
             err < 1e-4,
-            "{dtype:?} s {s} at length {len}: max error {err:e}"
+            "{isa:?} {dtype:?} d {d} s {s} at length {len}: max error {err:e}"
         );
     }
     assert_eq!(cache.len(), total);
@@ -381,6 +383,42 @@ fn stacked_int8_trials(name: &str, isa: CpuIsa) -> Vec<Trial> {
     )]
 }
 
+/// The fused attention on `isa` against the f64 reference, at short context (with GQA, head
+/// dims that take every slice width of the SIMD value pass, and one that is not a multiple of
+/// 16, which runs the portable path) and at 4096 positions.
+fn attention_trials(name: &str, isa: CpuIsa) -> Vec<Trial> {
+    vec![
+        Trial::test(
+            format!("{name}::matches_f64_at_short_context_with_gqa"),
+            move || {
+                for dtype in [KvDtype::F32, KvDtype::Bf16] {
+                    // A prefill, decode steps, a second prefill chunk; 8 heads over 2 kv heads
+                    // (4 tokens per task: the 7-token chunk spans two tasks).
+                    attention_case(isa, dtype, &[7, 1, 1, 1, 3, 1], 0, 8, 2, 64);
+                    attention_case(isa, dtype, &[1, 1, 1], 0, 4, 4, 128);
+                    // A 300-token prefill crosses the first growth step (256 positions).
+                    attention_case(isa, dtype, &[300, 1], 0, 2, 1, 32);
+                    // 3 and 5 chunks of 16 dims; 40 dims is not a multiple of 16.
+                    for d in [48, 80, 40] {
+                        attention_case(isa, dtype, &[21, 1, 2], 0, 6, 3, d);
+                    }
+                }
+                Ok(())
+            },
+        ),
+        Trial::test(format!("{name}::matches_f64_at_4096_context"), move || {
+            // 4000 positions cached, then decode steps to 4096 across a growth step.
+            let mut chunks = vec![4000];
+            chunks.extend(std::iter::repeat_n(1, 6));
+            chunks.push(90);
+            for dtype in [KvDtype::F32, KvDtype::Bf16] {
+                attention_case(isa, dtype, &chunks, 1, 8, 2, 64);
+            }
+            Ok(())
+        }),
+    ]
+}
+
 fn main() {
     let args = Arguments::from_args();
     let mut all = isa_trials("dense", bf16_matmul_trials);
@@ -390,28 +428,6 @@ fn main() {
         dense_linear_matches_candle_f32();
         Ok(())
     }));
-    all.push(Trial::test(
-        "attention_matches_f64_at_short_context_with_gqa",
-        || {
-            for dtype in [KvDtype::F32, KvDtype::Bf16] {
-                // A prefill, decode steps, a second prefill chunk; 8 heads over 2 kv heads.
-                attention_case(dtype, &[7, 1, 1, 1, 3, 1], 0, 8, 2, 64);
-                attention_case(dtype, &[1, 1, 1], 0, 4, 4, 128);
-                // A 300-token prefill crosses the first growth step (256 positions).
-                attention_case(dtype, &[300, 1], 0, 2, 1, 32);
-            }
-            Ok(())
-        },
-    ));
-    all.push(Trial::test("attention_matches_f64_at_4096_context", || {
-        // 4000 positions cached, then decode steps to 4096 across a growth step.
-        let mut chunks = vec![4000];
-        chunks.extend(std::iter::repeat_n(1, 6));
-        chunks.push(90);
-        for dtype in [KvDtype::F32, KvDtype::Bf16] {
-            attention_case(dtype, &chunks, 1, 8, 2, 64);
-        }
-        Ok(())
-    }));
+    all.extend(isa_trials("attention", attention_trials));
     libtest_mimic::run(&args, all).exit();
 }

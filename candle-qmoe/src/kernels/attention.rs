@@ -10,15 +10,19 @@
 //! (and by half again when it grows), so a long generation copies the cache a few times in all
 //! instead of once per token.
 
+use crate::kernels::cpu::CpuIsa;
 use candle::DType;
 use half::bf16;
 use rayon::prelude::*;
 
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
 /// The smallest growth of the cache, in positions.
 pub const KV_CHUNK: usize = 256;
 
-/// Query rows per rayon task during prefill.
-const QUERY_BLOCK: usize = 16;
+/// Query rows (tokens × the query heads of one kv head) per rayon task, at least one token.
+const QUERIES_PER_TASK: usize = 16;
 
 /// How a [`KvCache`] stores keys and values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,6 +65,16 @@ impl KvDtype {
 trait KvElem: Copy + Default + Send + Sync {
     fn from_f32(x: f32) -> Self;
     fn to_f32(self) -> f32;
+    /// Which element of a 16-element chunk lane `l` (0..16) of [`KvElem::load16`] holds.
+    #[cfg(target_arch = "x86_64")]
+    fn lane_element(l: usize) -> usize;
+    /// The 16 elements at `p` widened to F32 as two 8-lane vectors, in the storage's own lane
+    /// order ([`KvElem::lane_element`]).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; 16 elements must be readable at `p`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> (std::arch::x86_64::__m256, std::arch::x86_64::__m256);
 }
 
 impl KvElem for f32 {
@@ -71,6 +85,17 @@ impl KvElem for f32 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
+    }
+    #[cfg(target_arch = "x86_64")]
+    fn lane_element(l: usize) -> usize {
+        l
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> (std::arch::x86_64::__m256, std::arch::x86_64::__m256) {
+        use std::arch::x86_64::_mm256_loadu_ps;
+        // SAFETY: the caller's contract.
+        unsafe { (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))) }
     }
 }
 
@@ -83,6 +108,28 @@ impl KvElem for bf16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f32::from_bits((self.to_bits() as u32) << 16)
+    }
+    /// One 32-byte load holds eight 32-bit words of two BF16 each: the low halves (the even
+    /// elements) widen by a shift, the high halves (the odd ones) by masking off the low bits.
+    #[cfg(target_arch = "x86_64")]
+    fn lane_element(l: usize) -> usize {
+        if l < 8 {
+            2 * l
+        } else {
+            2 * (l - 8) + 1
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> (std::arch::x86_64::__m256, std::arch::x86_64::__m256) {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract.
+        unsafe {
+            let w = _mm256_loadu_si256(p as *const __m256i);
+            let even = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
+            let odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(-65536)));
+            (even, odd)
+        }
     }
 }
 
@@ -259,20 +306,41 @@ impl KvCache {
 
 /// Causal attention of the last `s` positions of `cache` (just appended) to every position up
 /// to their own: `q [batch, s, heads, head_dim]` token-major, scores scaled by `scale`; returns
-/// `[batch, s, heads, head_dim]`.
+/// `[batch, s, heads, head_dim]`. Runs the best path for this CPU ([`CpuIsa::detect`]).
 ///
 /// # Panics
 /// When `q` does not match the cache's batch and head dim, `heads` is not a multiple of the
 /// cache's kv heads, or the cache holds fewer than `s` positions.
 pub fn attend(q: &[f32], cache: &KvCache, s: usize, heads: usize, scale: f32) -> Vec<f32> {
+    attend_with_isa(q, cache, s, heads, scale, CpuIsa::detect())
+}
+
+/// [`attend`] on the instruction set `isa`: AVX2 + FMA (and AVX-512, which runs the AVX2
+/// kernel) for head dims that are a multiple of 16, the portable path otherwise.
+///
+/// # Panics
+/// As [`attend`], and when this CPU lacks `isa`.
+pub fn attend_with_isa(
+    q: &[f32],
+    cache: &KvCache,
+    s: usize,
+    heads: usize,
+    scale: f32,
+    isa: CpuIsa,
+) -> Vec<f32> {
+    assert!(isa.is_available(), "this CPU lacks {isa:?}");
     match (&cache.k, &cache.v) {
-        (KvBuf::F32(k), KvBuf::F32(v)) => attend_over(q, cache, k, v, s, heads, scale),
-        (KvBuf::Bf16(k), KvBuf::Bf16(v)) => attend_over(q, cache, k, v, s, heads, scale),
+        (KvBuf::F32(k), KvBuf::F32(v)) => attend_over(q, cache, k, v, s, heads, scale, isa),
+        (KvBuf::Bf16(k), KvBuf::Bf16(v)) => attend_over(q, cache, k, v, s, heads, scale, isa),
         _ => unreachable!("keys and values share one dtype"),
     }
 }
 
-/// [`attend`] over the cache's keys `k` and values `v` in their storage type.
+/// [`attend`] over the cache's keys `k` and values `v` in their storage type. One task per
+/// (sequence, kv head, block of query tokens) serves every query head that reads the kv head,
+/// so that its keys and values are streamed once for all of them (split when there would be
+/// fewer tasks than threads).
+#[allow(clippy::too_many_arguments)]
 fn attend_over<E: KvElem>(
     q: &[f32],
     cache: &KvCache,
@@ -281,6 +349,7 @@ fn attend_over<E: KvElem>(
     s: usize,
     heads: usize,
     scale: f32,
+    isa: CpuIsa,
 ) -> Vec<f32> {
     let (batch, d, hk) = (cache.batch, cache.head_dim, cache.kv_heads);
     assert_eq!(q.len(), batch * s * heads * d, "q must be [b, s, heads, d]");
@@ -295,43 +364,92 @@ fn attend_over<E: KvElem>(
     );
     let n_rep = heads / hk;
     let first = cache.len - s;
-    let blocks = s.div_ceil(QUERY_BLOCK);
-    // One task per (sequence, head, block of queries); each writes its own [rows, d] part.
-    let parts: Vec<Vec<f32>> = (0..batch * heads * blocks)
+    // Query heads per task: all of a kv head's, unless that leaves threads idle (e.g. one
+    // decoded token over 4 kv heads on 16 threads); then the fewest splits that do not.
+    let tokens_per_task = |heads_per_task: usize| (QUERIES_PER_TASK / heads_per_task).max(1);
+    let tasks = |split: usize| batch * hk * split * s.div_ceil(tokens_per_task(n_rep / split));
+    let split = (1..=n_rep)
+        .filter(|k| n_rep.is_multiple_of(*k))
+        .find(|&k| tasks(k) >= rayon::current_num_threads())
+        .unwrap_or(n_rep);
+    let heads_per_task = n_rep / split;
+    let tokens_per_task = tokens_per_task(heads_per_task);
+    let blocks = s.div_ceil(tokens_per_task);
+    let groups = hk * split;
+    let simd = isa != CpuIsa::Scalar && d.is_multiple_of(16);
+    // Each task writes its queries' rows, token by token and head by head within the group.
+    let parts: Vec<Vec<f32>> = (0..batch * groups * blocks)
         .into_par_iter()
         .map(|task| {
-            let (bh, blk) = (task / blocks, task % blocks);
-            let (b, h) = (bh / heads, bh % heads);
-            let range = cache.head_range(b, h / n_rep);
-            let (keys, values) = (&k[range.clone()], &v[range]);
-            let rows = blk * QUERY_BLOCK..((blk + 1) * QUERY_BLOCK).min(s);
-            let mut out = vec![0f32; rows.len() * d];
+            let (bg, blk) = (task / blocks, task % blocks);
+            let (b, g) = (bg / groups, bg % groups);
+            let range = cache.head_range(b, g / split);
+            let tokens = blk * tokens_per_task..((blk + 1) * tokens_per_task).min(s);
+            let mut group = GroupQueries {
+                q: Vec::with_capacity(tokens.len() * n_rep),
+                visible: Vec::with_capacity(tokens.len() * n_rep),
+                keys: &k[range.clone()],
+                values: &v[range],
+                d,
+                scale,
+            };
+            for t in tokens {
+                for h in g * heads_per_task..(g + 1) * heads_per_task {
+                    let qi = ((b * s + t) * heads + h) * d;
+                    group.q.push(&q[qi..qi + d]);
+                    group.visible.push(first + t + 1);
+                }
+            }
+            let mut out = vec![0f32; group.q.len() * d];
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                // SAFETY: `isa` is available (asserted above) and implies AVX2 + FMA; d is a
+                // multiple of 16.
+                unsafe { x86::attend_group(&group, &mut out) };
+                return out;
+            }
+            let _ = simd;
             let mut scores = Vec::with_capacity(cache.len);
-            for (t, o) in rows.zip(out.chunks_exact_mut(d)) {
-                let qi = ((b * s + t) * heads + h) * d;
+            for (i, o) in out.chunks_exact_mut(d).enumerate() {
                 let query = HeadQuery {
-                    q: &q[qi..qi + d],
-                    keys,
-                    values,
-                    visible: first + t + 1,
+                    q: group.q[i],
+                    keys: group.keys,
+                    values: group.values,
+                    visible: group.visible[i],
                     scale,
                 };
-                head_query(&query, &mut scores, o);
+                head_query_portable(&query, &mut scores, o);
             }
             out
         })
         .collect();
     let mut out = vec![0f32; q.len()];
     for (task, part) in parts.iter().enumerate() {
-        let (bh, blk) = (task / blocks, task % blocks);
-        let (b, h) = (bh / heads, bh % heads);
+        let (bg, blk) = (task / blocks, task % blocks);
+        let (b, g) = (bg / groups, bg % groups);
         for (r, row) in part.chunks_exact(d).enumerate() {
-            let t = blk * QUERY_BLOCK + r;
+            let t = blk * tokens_per_task + r / heads_per_task;
+            let h = g * heads_per_task + r % heads_per_task;
             let dst = ((b * s + t) * heads + h) * d;
             out[dst..dst + d].copy_from_slice(row);
         }
     }
     out
+}
+
+/// The queries of one task: every query row, of one or more tokens, that reads one kv head of
+/// one sequence.
+struct GroupQueries<'a, E> {
+    /// Each query's `d` values.
+    q: Vec<&'a [f32]>,
+    /// How many leading positions each query sees (its own included).
+    visible: Vec<usize>,
+    /// The kv head's `[len, d]` keys.
+    keys: &'a [E],
+    /// The kv head's `[len, d]` values.
+    values: &'a [E],
+    d: usize,
+    scale: f32,
 }
 
 /// One query of one head against the first `visible` keys and values of its kv head.
@@ -343,33 +461,11 @@ struct HeadQuery<'a, E> {
     scale: f32,
 }
 
-/// [`HeadQuery`] into `out`, with the best code path for the CPU; `scores` is scratch.
-fn head_query<E: KvElem>(h: &HeadQuery<E>, scores: &mut Vec<f32>, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        // SAFETY: the features were just detected.
-        return unsafe { head_query_avx2(h, scores, out) };
-    }
-    head_query_portable(h, scores, out)
-}
-
-/// [`head_query_portable`] compiled for AVX2 + FMA, so that its loops vectorise 8 lanes wide.
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn head_query_avx2<E: KvElem>(h: &HeadQuery<E>, scores: &mut Vec<f32>, out: &mut [f32]) {
-    head_query_portable(h, scores, out)
-}
-
-/// Scores `q · k_j · scale`, softmax (max-subtracted, F32), `out = Σ_j p_j v_j`.
-#[inline(always)]
+/// Scores `q · k_j · scale`, softmax (max-subtracted, F32), `out = Σ_j p_j v_j`: the portable
+/// path, one query at a time.
 fn head_query_portable<E: KvElem>(h: &HeadQuery<E>, scores: &mut Vec<f32>, out: &mut [f32]) {
     let d = h.q.len();
     scores.clear();
-    // A plain loop, not `extend(map(…))`: the closure of an iterator adapter was compiled
-    // outside the caller's target features (SSE2 loads instead of AVX2 + FMA).
     for k in h.keys.chunks_exact(d).take(h.visible) {
         prefetch_row(k);
         scores.push(dot(h.q, k) * h.scale);
