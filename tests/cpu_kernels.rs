@@ -398,8 +398,8 @@ fn attention_trials(name: &str, isa: CpuIsa) -> Vec<Trial> {
                     attention_case(isa, dtype, &[1, 1, 1], 0, 4, 4, 128);
                     // A 300-token prefill crosses the first growth step (256 positions).
                     attention_case(isa, dtype, &[300, 1], 0, 2, 1, 32);
-                    // 3 and 5 chunks of 16 dims; 40 dims is not a multiple of 16.
-                    for d in [48, 80, 40] {
+                    // 3, 5 and 6 chunks of 16 dims (1.5, 2.5, 3 of 32); 40 is not a multiple of 16.
+                    for d in [48, 80, 96, 40] {
                         attention_case(isa, dtype, &[21, 1, 2], 0, 6, 3, d);
                     }
                 }

@@ -65,16 +65,17 @@ impl KvDtype {
 trait KvElem: Copy + Default + Send + Sync {
     fn from_f32(x: f32) -> Self;
     fn to_f32(self) -> f32;
-    /// Which element of a 16-element chunk lane `l` (0..16) of [`KvElem::load16`] holds.
+    /// Which element of a chunk of `2·n` lane `l` of [`KvElem::load_chunk`] holds, for `n`
+    /// lanes per vector.
     #[cfg(target_arch = "x86_64")]
-    fn lane_element(l: usize) -> usize;
-    /// The 16 elements at `p` widened to F32 as two 8-lane vectors, in the storage's own lane
+    fn lane_element(l: usize, n: usize) -> usize;
+    /// The `2·V::N` elements at `p` widened to F32 as two vectors, in the storage's own lane
     /// order ([`KvElem::lane_element`]).
     ///
     /// # Safety
-    /// The CPU must support AVX2; 16 elements must be readable at `p`.
+    /// The CPU must support `V`'s width; `2·V::N` elements must be readable at `p`.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn load16(p: *const Self) -> (std::arch::x86_64::__m256, std::arch::x86_64::__m256);
+    unsafe fn load_chunk<V: x86::Lanes>(p: *const Self) -> (V, V);
 }
 
 impl KvElem for f32 {
@@ -87,15 +88,14 @@ impl KvElem for f32 {
         self
     }
     #[cfg(target_arch = "x86_64")]
-    fn lane_element(l: usize) -> usize {
+    fn lane_element(l: usize, _: usize) -> usize {
         l
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn load16(p: *const Self) -> (std::arch::x86_64::__m256, std::arch::x86_64::__m256) {
-        use std::arch::x86_64::_mm256_loadu_ps;
+    unsafe fn load_chunk<V: x86::Lanes>(p: *const Self) -> (V, V) {
         // SAFETY: the caller's contract.
-        unsafe { (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))) }
+        unsafe { (V::load(p), V::load(p.add(V::N))) }
     }
 }
 
@@ -109,27 +109,21 @@ impl KvElem for bf16 {
     fn to_f32(self) -> f32 {
         f32::from_bits((self.to_bits() as u32) << 16)
     }
-    /// One 32-byte load holds eight 32-bit words of two BF16 each: the low halves (the even
-    /// elements) widen by a shift, the high halves (the odd ones) by masking off the low bits.
+    /// One load of 32-bit words holds two BF16 each: the even elements fill the first
+    /// vector, the odd ones the second.
     #[cfg(target_arch = "x86_64")]
-    fn lane_element(l: usize) -> usize {
-        if l < 8 {
+    fn lane_element(l: usize, n: usize) -> usize {
+        if l < n {
             2 * l
         } else {
-            2 * (l - 8) + 1
+            2 * (l - n) + 1
         }
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn load16(p: *const Self) -> (std::arch::x86_64::__m256, std::arch::x86_64::__m256) {
-        use std::arch::x86_64::*;
+    unsafe fn load_chunk<V: x86::Lanes>(p: *const Self) -> (V, V) {
         // SAFETY: the caller's contract.
-        unsafe {
-            let w = _mm256_loadu_si256(p as *const __m256i);
-            let even = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
-            let odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(-65536)));
-            (even, odd)
-        }
+        unsafe { V::widen_bf16(p as *const u16) }
     }
 }
 
@@ -315,8 +309,8 @@ pub fn attend(q: &[f32], cache: &KvCache, s: usize, heads: usize, scale: f32) ->
     attend_with_isa(q, cache, s, heads, scale, CpuIsa::detect())
 }
 
-/// [`attend`] on the instruction set `isa`: AVX2 + FMA (and AVX-512, which runs the AVX2
-/// kernel) for head dims that are a multiple of 16, the portable path otherwise.
+/// [`attend`] on the instruction set `isa`: the AVX-512 kernel for head dims that are a
+/// multiple of 32, the AVX2 + FMA kernel for multiples of 16, the portable path otherwise.
 ///
 /// # Panics
 /// As [`attend`], and when this CPU lacks `isa`.
@@ -376,7 +370,6 @@ fn attend_over<E: KvElem>(
     let tokens_per_task = tokens_per_task(heads_per_task);
     let blocks = s.div_ceil(tokens_per_task);
     let groups = hk * split;
-    let simd = isa != CpuIsa::Scalar && d.is_multiple_of(16);
     // Each task writes its queries' rows, token by token and head by head within the group.
     let parts: Vec<Vec<f32>> = (0..batch * groups * blocks)
         .into_par_iter()
@@ -401,14 +394,19 @@ fn attend_over<E: KvElem>(
                 }
             }
             let mut out = vec![0f32; group.q.len() * d];
+            // SAFETY: `isa` is available (asserted above), and each kernel's head dims checked.
             #[cfg(target_arch = "x86_64")]
-            if simd {
-                // SAFETY: `isa` is available (asserted above) and implies AVX2 + FMA; d is a
-                // multiple of 16.
-                unsafe { x86::attend_group(&group, &mut out) };
-                return out;
+            match isa {
+                CpuIsa::Avx512Vnni if x86::avx512_fits(d) => {
+                    unsafe { x86::attend_group_avx512(&group, &mut out) };
+                    return out;
+                }
+                CpuIsa::Avx512Vnni | CpuIsa::Avx2 if x86::avx2_fits(d) => {
+                    unsafe { x86::attend_group_avx2(&group, &mut out) };
+                    return out;
+                }
+                _ => {}
             }
-            let _ = simd;
             let mut scores = Vec::with_capacity(cache.len);
             for (i, o) in out.chunks_exact_mut(d).enumerate() {
                 let query = HeadQuery {

@@ -1,15 +1,18 @@
-//! The AVX2 + FMA kernel of [`super::attend`] for one task: every query that reads one kv
-//! head, in two streaming passes over that head.
+//! The x86 kernels of [`super::attend`] for one task: every query that reads one kv head, in
+//! two streaming passes over that head, written once over the vector width ([`Lanes`]: AVX2 +
+//! FMA's 8 lanes, AVX-512's 16) and compiled for each.
 //!
 //! 1. **Scores.** Blocks of [`SCORE_BLOCK`] key rows; for each query, one accumulator per row
 //!    (eight independent FMA chains), the eight reduced together into one vector of scores.
 //!    Each block is read from memory once and then from L1 by the other queries.
 //! 2. **Softmax** per query, max-subtracted, with a vectorised `exp`.
 //! 3. **Values.** Blocks of [`VALUE_BLOCK`] value rows; for each query and each slice of
-//!    [`VALUE_CHUNKS`] × 16 dims, the weighted sum kept in eight registers over the block.
+//!    [`VALUE_CHUNKS`] chunks of the head dim, the weighted sum kept in eight registers over
+//!    the block.
 //!
-//! Rows are widened to F32 16 elements at a time in the storage's lane order
-//! ([`KvElem::load16`]); the queries are permuted into that order once, and the outputs back.
+//! Rows are widened to F32 one chunk of two vectors at a time, in the storage's lane order
+//! ([`KvElem::load_chunk`]); the queries are permuted into that order once, and the outputs
+//! back.
 
 use super::{GroupQueries, KvElem};
 use crate::kernels::x86_simd::{prefetch_l2, STREAM_AHEAD_BYTES};
@@ -22,59 +25,270 @@ const SCORE_BLOCK: usize = 8;
 /// of the head dim reads them.
 const VALUE_BLOCK: usize = 32;
 
-/// 16-element chunks of the head dim per slice of the value pass (eight accumulators).
+/// Chunks of the head dim per slice of the value pass (eight accumulators).
 const VALUE_CHUNKS: usize = 4;
 
-/// The attention of `g`'s queries into `out` (`[queries, d]`).
+/// The head dims [`attend_group_avx2`] takes: multiples of its chunk of 16 elements.
+pub(super) fn avx2_fits(d: usize) -> bool {
+    d.is_multiple_of(2 * <__m256 as Lanes>::N)
+}
+
+/// The head dims [`attend_group_avx512`] takes: multiples of its chunk of 32 elements.
+pub(super) fn avx512_fits(d: usize) -> bool {
+    d.is_multiple_of(2 * <__m512 as Lanes>::N)
+}
+
+/// The attention of `g`'s queries into `out` (`[queries, d]`), 8 lanes wide.
 ///
 /// # Safety
-/// The CPU must support AVX2 and FMA; `g.d` must be a multiple of 16, every query `d` long
-/// and every `visible` at most the rows of `g.keys` and `g.values`.
+/// The CPU must support AVX2 and FMA; [`avx2_fits`]`(g.d)`; every query `g.d` long and every
+/// `visible` at most the rows of `g.keys` and `g.values`.
 #[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn attend_group<E: KvElem>(g: &GroupQueries<E>, out: &mut [f32]) {
-    let (d, n) = (g.d, g.q.len());
+pub(super) unsafe fn attend_group_avx2<E: KvElem>(g: &GroupQueries<E>, out: &mut [f32]) {
+    // SAFETY: the caller's contract.
+    unsafe { attend_group::<E, __m256>(g, out) }
+}
+
+/// [`attend_group_avx2`] 16 lanes wide.
+///
+/// # Safety
+/// The CPU must support AVX-512 F and BW, AVX2 and FMA; [`avx512_fits`]`(g.d)`; as
+/// [`attend_group_avx2`] otherwise.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+pub(super) unsafe fn attend_group_avx512<E: KvElem>(g: &GroupQueries<E>, out: &mut [f32]) {
+    // SAFETY: the caller's contract.
+    unsafe { attend_group::<E, __m512>(g, out) }
+}
+
+/// An F32 vector of one x86 width and the operations of the kernel on it. Every method is
+/// `unsafe` (the CPU must support the width) and inlined into the entry point compiled for it;
+/// so is every function that calls one, none of them through a closure (which would be
+/// compiled apart, without the entry point's target features).
+pub(super) trait Lanes: Copy {
+    /// F32 lanes.
+    const N: usize;
+    unsafe fn zero() -> Self;
+    unsafe fn splat(x: f32) -> Self;
+    unsafe fn load(p: *const f32) -> Self;
+    unsafe fn store(self, p: *mut f32);
+    unsafe fn add(self, b: Self) -> Self;
+    unsafe fn sub(self, b: Self) -> Self;
+    unsafe fn mul(self, b: Self) -> Self;
+    unsafe fn max(self, b: Self) -> Self;
+    /// `self · b + c`.
+    unsafe fn mul_add(self, b: Self, c: Self) -> Self;
+    /// `c − self · b`.
+    unsafe fn neg_mul_add(self, b: Self, c: Self) -> Self;
+    unsafe fn round(self) -> Self;
+    /// `2ⁿ` for the integral `n` in `self` (−127 < n < 128).
+    unsafe fn pow2(self) -> Self;
+    /// The lanes folded to 8 (summed pairwise across halves).
+    unsafe fn fold8(self) -> __m256;
+    /// The 2·N BF16 values at `p` widened, the even elements first, then the odd.
+    unsafe fn widen_bf16(p: *const u16) -> (Self, Self);
+}
+
+impl Lanes for __m256 {
+    const N: usize = 8;
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        unsafe { _mm256_setzero_ps() }
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        unsafe { _mm256_set1_ps(x) }
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        unsafe { _mm256_loadu_ps(p) }
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        unsafe { _mm256_storeu_ps(p, self) }
+    }
+    #[inline(always)]
+    unsafe fn add(self, b: Self) -> Self {
+        unsafe { _mm256_add_ps(self, b) }
+    }
+    #[inline(always)]
+    unsafe fn sub(self, b: Self) -> Self {
+        unsafe { _mm256_sub_ps(self, b) }
+    }
+    #[inline(always)]
+    unsafe fn mul(self, b: Self) -> Self {
+        unsafe { _mm256_mul_ps(self, b) }
+    }
+    #[inline(always)]
+    unsafe fn max(self, b: Self) -> Self {
+        unsafe { _mm256_max_ps(self, b) }
+    }
+    #[inline(always)]
+    unsafe fn mul_add(self, b: Self, c: Self) -> Self {
+        unsafe { _mm256_fmadd_ps(self, b, c) }
+    }
+    #[inline(always)]
+    unsafe fn neg_mul_add(self, b: Self, c: Self) -> Self {
+        unsafe { _mm256_fnmadd_ps(self, b, c) }
+    }
+    #[inline(always)]
+    unsafe fn round(self) -> Self {
+        unsafe { _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(self) }
+    }
+    #[inline(always)]
+    unsafe fn pow2(self) -> Self {
+        unsafe {
+            let biased = _mm256_add_epi32(_mm256_cvtps_epi32(self), _mm256_set1_epi32(127));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<23>(biased))
+        }
+    }
+    #[inline(always)]
+    unsafe fn fold8(self) -> __m256 {
+        self
+    }
+    #[inline(always)]
+    unsafe fn widen_bf16(p: *const u16) -> (Self, Self) {
+        // Eight 32-bit words of two BF16 each: the low halves (even elements) widen by a
+        // shift, the high halves (odd ones) by masking off the low bits.
+        unsafe {
+            let w = _mm256_loadu_si256(p as *const __m256i);
+            let even = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
+            let odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(-65536)));
+            (even, odd)
+        }
+    }
+}
+
+impl Lanes for __m512 {
+    const N: usize = 16;
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        unsafe { _mm512_setzero_ps() }
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        unsafe { _mm512_set1_ps(x) }
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        unsafe { _mm512_loadu_ps(p) }
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        unsafe { _mm512_storeu_ps(p, self) }
+    }
+    #[inline(always)]
+    unsafe fn add(self, b: Self) -> Self {
+        unsafe { _mm512_add_ps(self, b) }
+    }
+    #[inline(always)]
+    unsafe fn sub(self, b: Self) -> Self {
+        unsafe { _mm512_sub_ps(self, b) }
+    }
+    #[inline(always)]
+    unsafe fn mul(self, b: Self) -> Self {
+        unsafe { _mm512_mul_ps(self, b) }
+    }
+    #[inline(always)]
+    unsafe fn max(self, b: Self) -> Self {
+        unsafe { _mm512_max_ps(self, b) }
+    }
+    #[inline(always)]
+    unsafe fn mul_add(self, b: Self, c: Self) -> Self {
+        unsafe { _mm512_fmadd_ps(self, b, c) }
+    }
+    #[inline(always)]
+    unsafe fn neg_mul_add(self, b: Self, c: Self) -> Self {
+        unsafe { _mm512_fnmadd_ps(self, b, c) }
+    }
+    #[inline(always)]
+    unsafe fn round(self) -> Self {
+        unsafe { _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(self) }
+    }
+    #[inline(always)]
+    unsafe fn pow2(self) -> Self {
+        unsafe {
+            let biased = _mm512_add_epi32(_mm512_cvtps_epi32(self), _mm512_set1_epi32(127));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<23>(biased))
+        }
+    }
+    #[inline(always)]
+    unsafe fn fold8(self) -> __m256 {
+        unsafe {
+            let halves = _mm512_castps_pd(self);
+            _mm256_add_ps(
+                _mm512_castps512_ps256(self),
+                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(halves)),
+            )
+        }
+    }
+    #[inline(always)]
+    unsafe fn widen_bf16(p: *const u16) -> (Self, Self) {
+        // As for 8 lanes, over sixteen words.
+        unsafe {
+            let w = _mm512_loadu_si512(p as *const __m512i);
+            let even = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w));
+            let odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(-65536)));
+            (even, odd)
+        }
+    }
+}
+
+/// [`attend_group_avx2`] at the width `V`.
+///
+/// # Safety
+/// As the entry points, for the width `V`.
+#[inline(always)]
+unsafe fn attend_group<E: KvElem, V: Lanes>(g: &GroupQueries<E>, out: &mut [f32]) {
+    let (d, n, chunk) = (g.d, g.q.len(), 2 * V::N);
     let span = g.visible.iter().copied().max().unwrap_or(0);
-    assert!(d.is_multiple_of(16) && span * d <= g.keys.len().min(g.values.len()));
+    assert!(d.is_multiple_of(chunk) && span * d <= g.keys.len().min(g.values.len()));
     assert_eq!(out.len(), n * d);
     // The queries in lane order, with the scale folded in.
     let mut queries = vec![0f32; n * d];
     for (q, lanes) in g.q.iter().zip(queries.chunks_exact_mut(d)) {
-        for (c, chunk) in lanes.chunks_exact_mut(16).enumerate() {
-            for (l, x) in chunk.iter_mut().enumerate() {
-                *x = q[c * 16 + E::lane_element(l)] * g.scale;
+        for (c, part) in lanes.chunks_exact_mut(chunk).enumerate() {
+            for (l, x) in part.iter_mut().enumerate() {
+                *x = q[c * chunk + E::lane_element(l, V::N)] * g.scale;
             }
         }
     }
     let mut scores = vec![0f32; n * span];
-    let keys = g.keys.as_ptr();
+    let (keys, values) = (g.keys.as_ptr(), g.values.as_ptr());
+    prefetch_start(keys, span * d);
     for start in (0..span).step_by(SCORE_BLOCK) {
         let end = (start + SCORE_BLOCK).min(span);
-        // SAFETY (all below): rows below `span` lie inside the keys (asserted).
-        unsafe { prefetch_ahead(keys.add(start * d), (end - start) * d) };
+        // SAFETY (all below): rows below `span` lie inside the keys and values (asserted).
+        prefetch_ahead(unsafe { keys.add(start * d) }, (end - start) * d);
         for (i, &visible) in g.visible.iter().enumerate() {
             let q = queries[i * d..].as_ptr();
             let row = &mut scores[i * span..(i + 1) * span];
             if start + SCORE_BLOCK <= visible {
-                let block = unsafe { scores8(q, keys.add(start * d), d) };
-                unsafe { _mm256_storeu_ps(row[start..start + SCORE_BLOCK].as_mut_ptr(), block) };
+                unsafe {
+                    let block = scores8::<E, V>(q, keys.add(start * d), d);
+                    _mm256_storeu_ps(row[start..start + SCORE_BLOCK].as_mut_ptr(), block);
+                }
             } else {
                 for (j, score) in row.iter_mut().enumerate().take(visible).skip(start) {
-                    *score = unsafe { score1(q, keys.add(j * d), d) };
+                    *score = unsafe { score1::<E, V>(q, keys.add(j * d), d) };
                 }
             }
         }
     }
-    let sums: Vec<f32> = g
-        .visible
-        .iter()
+    // The values' first lines load while the softmax computes.
+    prefetch_start(values, span * d);
+    let mut sums = vec![0f32; n];
+    for ((sum, &visible), row) in sums
+        .iter_mut()
+        .zip(&g.visible)
         .zip(scores.chunks_exact_mut(span.max(1)))
-        .map(|(&visible, row)| softmax_weights(&mut row[..visible]))
-        .collect();
+    {
+        *sum = unsafe { softmax_weights::<V>(&mut row[..visible]) };
+    }
     let mut acc = vec![0f32; n * d];
-    let values = g.values.as_ptr();
+    let chunks = d / chunk;
     for start in (0..span).step_by(VALUE_BLOCK) {
         let end = (start + VALUE_BLOCK).min(span);
-        unsafe { prefetch_ahead(values.add(start * d), (end - start) * d) };
+        prefetch_ahead(unsafe { values.add(start * d) }, (end - start) * d);
         for (i, &visible) in g.visible.iter().enumerate() {
             let stop = end.min(visible);
             if start >= stop {
@@ -83,15 +297,14 @@ pub(super) unsafe fn attend_group<E: KvElem>(g: &GroupQueries<E>, out: &mut [f32
             let weights = &scores[i * span + start..i * span + stop];
             let sum = &mut acc[i * d..(i + 1) * d];
             let rows = unsafe { values.add(start * d) };
-            let chunks = d / 16;
             for c in (0..chunks).step_by(VALUE_CHUNKS) {
-                let (v, a) = (unsafe { rows.add(c * 16) }, &mut sum[c * 16..]);
+                let (v, a) = (unsafe { rows.add(c * chunk) }, &mut sum[c * chunk..]);
                 unsafe {
                     match chunks - c {
-                        1 => weigh::<E, 1>(weights, v, d, a),
-                        2 => weigh::<E, 2>(weights, v, d, a),
-                        3 => weigh::<E, 3>(weights, v, d, a),
-                        _ => weigh::<E, VALUE_CHUNKS>(weights, v, d, a),
+                        1 => weigh::<E, V, 1>(weights, v, d, a),
+                        2 => weigh::<E, V, 2>(weights, v, d, a),
+                        3 => weigh::<E, V, 3>(weights, v, d, a),
+                        _ => weigh::<E, V, VALUE_CHUNKS>(weights, v, d, a),
                     }
                 }
             }
@@ -99,9 +312,9 @@ pub(super) unsafe fn attend_group<E: KvElem>(g: &GroupQueries<E>, out: &mut [f32
     }
     for ((o, a), sum) in out.chunks_exact_mut(d).zip(acc.chunks_exact(d)).zip(sums) {
         let inv = 1.0 / sum;
-        for (c, chunk) in a.chunks_exact(16).enumerate() {
-            for (l, &x) in chunk.iter().enumerate() {
-                o[c * 16 + E::lane_element(l)] = x * inv;
+        for (c, part) in a.chunks_exact(chunk).enumerate() {
+            for (l, &x) in part.iter().enumerate() {
+                o[c * chunk + E::lane_element(l, V::N)] = x * inv;
             }
         }
     }
@@ -117,174 +330,173 @@ fn prefetch_ahead<E>(p: *const E, len: usize) {
     }
 }
 
+/// Prefetches into L2 the first [`STREAM_AHEAD_BYTES`] of the `len` elements at `p`: the part
+/// of a stream that [`prefetch_ahead`] does not cover.
+#[inline(always)]
+fn prefetch_start<E>(p: *const E, len: usize) {
+    let p = p as *const u8;
+    for off in (0..(len * size_of::<E>()).min(STREAM_AHEAD_BYTES)).step_by(64) {
+        prefetch_l2(p.wrapping_add(off));
+    }
+}
+
 /// The dot products of the `d` lane-ordered query values at `q` with the 8 key rows at `k`.
 ///
 /// # Safety
-/// AVX2 + FMA; `d` a multiple of 16; `q` holds `d` values and `k` 8 rows of `d`.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn scores8<E: KvElem>(q: *const f32, k: *const E, d: usize) -> __m256 {
-    let mut acc = [_mm256_setzero_ps(); SCORE_BLOCK];
-    for c in (0..d).step_by(16) {
-        // SAFETY: inside `q` and the rows (the contract).
-        let (qa, qb) = unsafe { (_mm256_loadu_ps(q.add(c)), _mm256_loadu_ps(q.add(c + 8))) };
-        for (r, a) in acc.iter_mut().enumerate() {
-            let (ka, kb) = unsafe { E::load16(k.add(r * d + c)) };
-            *a = _mm256_fmadd_ps(qb, kb, _mm256_fmadd_ps(qa, ka, *a));
+/// The width `V`; `d` a multiple of its chunk; `q` holds `d` values and `k` 8 rows of `d`.
+#[inline(always)]
+unsafe fn scores8<E: KvElem, V: Lanes>(q: *const f32, k: *const E, d: usize) -> __m256 {
+    unsafe {
+        let mut acc = [V::zero(); SCORE_BLOCK];
+        for c in (0..d).step_by(2 * V::N) {
+            let (qa, qb) = (V::load(q.add(c)), V::load(q.add(c + V::N)));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let (ka, kb) = E::load_chunk::<V>(k.add(r * d + c));
+                *a = qb.mul_add(kb, qa.mul_add(ka, *a));
+            }
         }
+        // A loop, not `acc.map(…)`: a closure would be compiled without the entry point's
+        // target features, and the intrinsics in it called instead of inlined.
+        let mut folded = [_mm256_setzero_ps(); SCORE_BLOCK];
+        for (f, a) in folded.iter_mut().zip(acc) {
+            *f = a.fold8();
+        }
+        sum_each(folded)
     }
-    sum_each(acc)
 }
 
 /// The dot product of the `d` lane-ordered query values at `q` with the key row at `k`.
 ///
 /// # Safety
 /// As [`scores8`], for one row.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn score1<E: KvElem>(q: *const f32, k: *const E, d: usize) -> f32 {
-    let (mut a, mut b) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    for c in (0..d).step_by(16) {
-        // SAFETY: inside `q` and the row (the contract).
-        unsafe {
-            let (ka, kb) = E::load16(k.add(c));
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(c)), ka, a);
-            b = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(c + 8)), kb, b);
+#[inline(always)]
+unsafe fn score1<E: KvElem, V: Lanes>(q: *const f32, k: *const E, d: usize) -> f32 {
+    unsafe {
+        let (mut a, mut b) = (V::zero(), V::zero());
+        for c in (0..d).step_by(2 * V::N) {
+            let (ka, kb) = E::load_chunk::<V>(k.add(c));
+            a = V::load(q.add(c)).mul_add(ka, a);
+            b = V::load(q.add(c + V::N)).mul_add(kb, b);
         }
+        crate::kernels::x86_simd::hsum256(a.add(b).fold8())
     }
-    crate::kernels::x86_simd::hsum256(_mm256_add_ps(a, b))
 }
 
 /// Lane `r` of the result is the sum of the eight lanes of `v[r]`.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn sum_each(v: [__m256; 8]) -> __m256 {
+///
+/// # Safety
+/// AVX2.
+#[inline(always)]
+unsafe fn sum_each(v: [__m256; 8]) -> __m256 {
     // Pairwise sums within 128-bit halves, twice: lane r of each half then holds half of row
     // r's (r < 4) or row r + 4's total; the halves are then added across.
-    let (p0, p1) = (_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    let (p2, p3) = (_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    let (q0, q1) = (_mm256_hadd_ps(p0, p1), _mm256_hadd_ps(p2, p3));
-    _mm256_add_ps(
-        _mm256_permute2f128_ps::<0x20>(q0, q1),
-        _mm256_permute2f128_ps::<0x31>(q0, q1),
-    )
+    unsafe {
+        let (p0, p1) = (_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+        let (p2, p3) = (_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+        let (q0, q1) = (_mm256_hadd_ps(p0, p1), _mm256_hadd_ps(p2, p3));
+        _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(q0, q1),
+            _mm256_permute2f128_ps::<0x31>(q0, q1),
+        )
+    }
 }
 
 /// Turns `scores` into `exp(score − max)` in place and returns their sum.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn softmax_weights(scores: &mut [f32]) -> f32 {
-    let (body, tail) = scores.split_at_mut(scores.len() / 8 * 8);
-    let mut max = _mm256_set1_ps(f32::NEG_INFINITY);
-    for x in body.chunks_exact(8) {
-        // SAFETY: 8 values.
-        max = _mm256_max_ps(max, unsafe { _mm256_loadu_ps(x.as_ptr()) });
-    }
-    let mut lanes = [0f32; 8];
-    // SAFETY: 8 values.
-    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), max) };
-    let max = lanes
-        .iter()
-        .chain(tail.iter())
-        .fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-    let max_v = _mm256_set1_ps(max);
-    let mut sum = _mm256_setzero_ps();
-    for x in body.chunks_exact_mut(8) {
-        // SAFETY: 8 values.
-        unsafe {
-            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x.as_ptr()), max_v));
-            _mm256_storeu_ps(x.as_mut_ptr(), e);
-            sum = _mm256_add_ps(sum, e);
+///
+/// # Safety
+/// The width `V`.
+#[inline(always)]
+unsafe fn softmax_weights<V: Lanes>(scores: &mut [f32]) -> f32 {
+    let (body, tail) = scores.split_at_mut(scores.len() / V::N * V::N);
+    let mut lanes = [0f32; 16];
+    let lanes = &mut lanes[..V::N];
+    unsafe {
+        let mut max = V::splat(f32::NEG_INFINITY);
+        for x in body.chunks_exact(V::N) {
+            max = max.max(V::load(x.as_ptr()));
         }
-    }
-    let mut sum = crate::kernels::x86_simd::hsum256(sum);
-    if !tail.is_empty() {
+        max.store(lanes.as_mut_ptr());
+        let max = lanes
+            .iter()
+            .chain(tail.iter())
+            .fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let max_v = V::splat(max);
+        let mut sum = V::zero();
+        for x in body.chunks_exact_mut(V::N) {
+            let e = exp(V::load(x.as_ptr()).sub(max_v));
+            e.store(x.as_mut_ptr());
+            sum = sum.add(e);
+        }
         // The tail padded with −∞ (weight 0).
-        let mut padded = [f32::NEG_INFINITY; 8];
-        padded[..tail.len()].copy_from_slice(tail);
-        // SAFETY: 8 values.
-        unsafe {
-            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(padded.as_ptr()), max_v));
-            _mm256_storeu_ps(padded.as_mut_ptr(), e);
-        }
-        tail.copy_from_slice(&padded[..tail.len()]);
-        sum += tail.iter().sum::<f32>();
+        lanes.fill(f32::NEG_INFINITY);
+        lanes[..tail.len()].copy_from_slice(tail);
+        let e = exp(V::load(lanes.as_ptr()).sub(max_v));
+        sum = sum.add(e);
+        e.store(lanes.as_mut_ptr());
+        tail.copy_from_slice(&lanes[..tail.len()]);
+        crate::kernels::x86_simd::hsum256(sum.fold8())
     }
-    sum
 }
 
 /// `exp(x)` for `x ≤ 0` to about 2 ulp (below −87 it returns `exp(−87)` ≈ 1.6e−38, nothing
 /// beside a softmax's largest weight of 1): `x = n·ln 2 + r` with `|r| ≤ ln 2 / 2`, a degree-7
 /// polynomial for `exp(r)` (Cephes' `expf` coefficients), and `2ⁿ` built in the exponent bits.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-fn exp8(x: __m256) -> __m256 {
-    let x = _mm256_max_ps(x, _mm256_set1_ps(-87.0));
-    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
-        x,
-        _mm256_set1_ps(std::f32::consts::LOG2_E),
-    ));
-    // ln 2 split in two so that n · the first part is exact.
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-    let mut p = _mm256_set1_ps(1.987_569_2e-4);
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        1.666_666_5e-1,
-        0.5,
-    ] {
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-    }
-    let e = _mm256_fmadd_ps(
-        _mm256_mul_ps(p, r),
-        r,
-        _mm256_add_ps(r, _mm256_set1_ps(1.0)),
-    );
-    let two_n = _mm256_slli_epi32::<23>(_mm256_add_epi32(
-        _mm256_cvtps_epi32(n),
-        _mm256_set1_epi32(127),
-    ));
-    _mm256_mul_ps(e, _mm256_castsi256_ps(two_n))
-}
-
-/// Adds `Σ_r weights[r] · row r` to the `16·C` lane-ordered sums at `acc`, for the `C` chunks
-/// that start at `v` in each of `weights.len()` rows of stride `d`.
 ///
 /// # Safety
-/// AVX2 + FMA; the rows hold `16·C` elements from `v`, and `acc` as many values.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn weigh<E: KvElem, const C: usize>(
+/// The width `V`.
+#[inline(always)]
+unsafe fn exp<V: Lanes>(x: V) -> V {
+    unsafe {
+        let x = x.max(V::splat(-87.0));
+        let n = x.mul(V::splat(std::f32::consts::LOG2_E)).round();
+        // ln 2 split in two so that n · the first part is exact.
+        let r = n.neg_mul_add(V::splat(0.693_359_4), x);
+        let r = n.neg_mul_add(V::splat(-2.121_944_4e-4), r);
+        let mut p = V::splat(1.987_569_2e-4);
+        for c in [
+            1.398_199_9e-3,
+            8.333_452e-3,
+            4.166_579_6e-2,
+            1.666_666_5e-1,
+            0.5,
+        ] {
+            p = p.mul_add(r, V::splat(c));
+        }
+        p.mul(r).mul_add(r, r.add(V::splat(1.0))).mul(n.pow2())
+    }
+}
+
+/// Adds `Σ_r weights[r] · row r` to the `C` lane-ordered chunks of sums at `acc`, for the `C`
+/// chunks that start at `v` in each of `weights.len()` rows of stride `d`.
+///
+/// # Safety
+/// The width `V`; the rows hold `C` chunks from `v`, and `acc` as many values.
+#[inline(always)]
+unsafe fn weigh<E: KvElem, V: Lanes, const C: usize>(
     weights: &[f32],
     v: *const E,
     d: usize,
     acc: &mut [f32],
 ) {
-    let acc = &mut acc[..16 * C];
-    let mut a = [[_mm256_setzero_ps(); 2]; C];
-    for (c, pair) in a.iter_mut().enumerate() {
-        // SAFETY: inside `acc`.
-        unsafe {
-            pair[0] = _mm256_loadu_ps(acc[c * 16..].as_ptr());
-            pair[1] = _mm256_loadu_ps(acc[c * 16 + 8..].as_ptr());
-        }
-    }
-    for (r, &w) in weights.iter().enumerate() {
-        let w = _mm256_set1_ps(w);
+    let (n, acc) = (V::N, &mut acc[..2 * V::N * C]);
+    unsafe {
+        let mut a = [[V::zero(); 2]; C];
         for (c, pair) in a.iter_mut().enumerate() {
-            // SAFETY: inside row r (the contract).
-            let (x, y) = unsafe { E::load16(v.add(r * d + c * 16)) };
-            pair[0] = _mm256_fmadd_ps(w, x, pair[0]);
-            pair[1] = _mm256_fmadd_ps(w, y, pair[1]);
+            *pair = [
+                V::load(acc[2 * c * n..].as_ptr()),
+                V::load(acc[(2 * c + 1) * n..].as_ptr()),
+            ];
         }
-    }
-    for (c, pair) in a.iter().enumerate() {
-        // SAFETY: inside `acc`.
-        unsafe {
-            _mm256_storeu_ps(acc[c * 16..].as_mut_ptr(), pair[0]);
-            _mm256_storeu_ps(acc[c * 16 + 8..].as_mut_ptr(), pair[1]);
+        for (r, &w) in weights.iter().enumerate() {
+            let w = V::splat(w);
+            for (c, pair) in a.iter_mut().enumerate() {
+                let (x, y) = E::load_chunk::<V>(v.add(r * d + 2 * c * n));
+                *pair = [w.mul_add(x, pair[0]), w.mul_add(y, pair[1])];
+            }
+        }
+        for (c, pair) in a.iter().enumerate() {
+            pair[0].store(acc[2 * c * n..].as_mut_ptr());
+            pair[1].store(acc[(2 * c + 1) * n..].as_mut_ptr());
         }
     }
 }
