@@ -123,7 +123,8 @@ pub struct ModelArgs {
     pub decode_acts: Option<DecodeActivations>,
     /// Time each part of the forward passes while decoding (projections, attention, routers,
     /// routed experts, lm_head) and report per part the milliseconds and weight bytes per token
-    /// and the bandwidth they reach (`generate` and `bench` print and record it). Process-wide;
+    /// and the bandwidth they reach (`generate` and `bench` print and record it; the server
+    /// exports every forward pass's seconds and calls per part in `/metrics`). Process-wide;
     /// costs about a microsecond per part and layer.
     #[arg(long)]
     pub profile: bool,

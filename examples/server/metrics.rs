@@ -1,12 +1,14 @@
 //! `GET /metrics`: Prometheus text (prometheus-client) — requests by endpoint and status, prompt
 //! and generated tokens, queue length, busy slots, decode tokens/s, KV bytes, the routed experts'
-//! traffic (`MoeForCausalLm::expert_traffic`) and, with an expert cache, its counters
-//! (`residency_json`).
+//! traffic (`MoeForCausalLm::expert_traffic`), with an expert cache its counters
+//! (`residency_json`) and, with `--profile`, the time and calls of each part of the forward
+//! passes (`candle_qmoe::profile`).
 
 use std::sync::atomic::AtomicU64;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_qmoe::models::ExpertTraffic;
+use candle_qmoe::profile::{self, Profile};
 use candle_qmoe::residency::Residency;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -39,6 +41,11 @@ pub struct Metrics {
     expert_bytes_read: Counter,
     expert_cache: Family<Labels, Gauge<f64, AtomicU64>>,
     residency: Option<Arc<Residency>>,
+    /// With `--profile`: seconds and calls per part of the forward passes, and the tally as
+    /// last exported (the counters advance by the difference).
+    forward_seconds: Family<Labels, Counter<f64, AtomicU64>>,
+    forward_calls: Family<Labels, Counter>,
+    exported_profile: Option<Mutex<Profile>>,
 }
 
 impl Metrics {
@@ -59,6 +66,9 @@ impl Metrics {
             expert_bytes_read: Counter::default(),
             expert_cache: Family::default(),
             residency,
+            forward_seconds: Family::default(),
+            forward_calls: Family::default(),
+            exported_profile: profile::enabled().then(|| Mutex::new(profile::snapshot())),
         };
         let r = &mut m.registry;
         r.register(
@@ -120,6 +130,18 @@ impl Metrics {
                 m.expert_cache.clone(),
             );
         }
+        if m.exported_profile.is_some() {
+            r.register(
+                "forward_seconds",
+                "Wall time per part of the forward passes, prefill and decode (--profile)",
+                m.forward_seconds.clone(),
+            );
+            r.register(
+                "forward_calls",
+                "Calls per part of the forward passes, prefill and decode (--profile)",
+                m.forward_calls.clone(),
+            );
+        }
         m
     }
 
@@ -156,6 +178,18 @@ impl Metrics {
                         .set(v);
                 }
             }
+        }
+        if let Some(exported) = &self.exported_profile {
+            let now = profile::snapshot();
+            let mut exported = exported.lock().unwrap_or_else(|e| e.into_inner());
+            for (part, time, calls) in now.since(&exported).parts() {
+                let labels = vec![("part".to_string(), part.name().to_string())];
+                self.forward_seconds
+                    .get_or_create(&labels)
+                    .inc_by(time.as_secs_f64());
+                self.forward_calls.get_or_create(&labels).inc_by(calls);
+            }
+            *exported = now;
         }
         let mut text = String::new();
         encode(&mut text, &self.registry).expect("writing to a String cannot fail");

@@ -68,6 +68,8 @@ class Api(unittest.TestCase):
             self.assertIn(name, m)
         self.assertGreater(m['qmoe_requests_total{endpoint="/v1/chat/completions",status="200"}'], 0)
         self.assertGreater(m["qmoe_generated_tokens_total"], 0)
+        # The per-part tally is exported only with --profile (OwnServer below).
+        self.assertFalse([k for k in m if k.startswith("qmoe_forward_")])
 
     def test_chat_greedy_stream_equals_non_stream_with_usage(self):
         r = self.chat(max_tokens=12, temperature=0)
@@ -189,6 +191,30 @@ def stop(proc):
 
 @unittest.skipUnless(os.environ.get("QMOE_SERVER_BIN"), "QMOE_SERVER_BIN not set")
 class OwnServer(unittest.TestCase):
+    def test_profile_exports_time_and_calls_per_part(self):
+        proc, url = spawn_server("--profile")
+        try:
+            body = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+            self.assertEqual(raw(url, "/v1/completions", body)[0], 200)
+            first = metrics(url)
+            self.assertEqual(raw(url, "/v1/completions", body)[0], 200)
+            m = metrics(url)
+            for part in ["qkv_projection", "attention", "routed_experts", "lm_head"]:
+                seconds = f'qmoe_forward_seconds_total{{part="{part}"}}'
+                calls = f'qmoe_forward_calls_total{{part="{part}"}}'
+                self.assertGreater(first[seconds], 0, part)
+                # Counters: the second request adds its passes to the first's.
+                self.assertGreater(m[seconds], first[seconds], part)
+                self.assertGreater(m[calls], first[calls], part)
+            # lm_head once per forward pass (prefill, then 3 decode steps), attention once per
+            # layer and pass.
+            lm_head = m['qmoe_forward_calls_total{part="lm_head"}']
+            self.assertEqual(lm_head, 8)
+            attention = m['qmoe_forward_calls_total{part="attention"}']
+            self.assertEqual(attention % lm_head, 0)
+        finally:
+            stop(proc)
+
     def test_full_queue_is_503_with_retry_after(self):
         proc, url = spawn_server("--parallel", "1", "--queue", "1")
         try:
