@@ -407,6 +407,8 @@ fn attend_over<E: KvElem>(
                 }
                 _ => {}
             }
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = isa;
             let mut scores = Vec::with_capacity(cache.len);
             for (i, o) in out.chunks_exact_mut(d).enumerate() {
                 let query = HeadQuery {
