@@ -67,6 +67,8 @@ pub(super) unsafe fn attend_group_avx512<E: KvElem>(g: &GroupQueries<E>, out: &m
 pub(super) trait Lanes: Copy {
     /// F32 lanes.
     const N: usize;
+    /// Whether the score pass takes queries in pairs ([`scores8_pair`]: registers enough).
+    const PAIRS: bool;
     unsafe fn zero() -> Self;
     unsafe fn splat(x: f32) -> Self;
     unsafe fn load(p: *const f32) -> Self;
@@ -90,6 +92,7 @@ pub(super) trait Lanes: Copy {
 
 impl Lanes for __m256 {
     const N: usize = 8;
+    const PAIRS: bool = false;
     #[inline(always)]
     unsafe fn zero() -> Self {
         unsafe { _mm256_setzero_ps() }
@@ -160,6 +163,7 @@ impl Lanes for __m256 {
 
 impl Lanes for __m512 {
     const N: usize = 16;
+    const PAIRS: bool = true;
     #[inline(always)]
     unsafe fn zero() -> Self {
         unsafe { _mm512_setzero_ps() }
@@ -259,19 +263,32 @@ unsafe fn attend_group<E: KvElem, V: Lanes>(g: &GroupQueries<E>, out: &mut [f32]
         let end = (start + SCORE_BLOCK).min(span);
         // SAFETY (all below): rows below `span` lie inside the keys and values (asserted).
         prefetch_ahead(unsafe { keys.add(start * d) }, (end - start) * d);
-        for (i, &visible) in g.visible.iter().enumerate() {
+        let full = |i: usize| start + SCORE_BLOCK <= g.visible[i];
+        let mut i = 0;
+        while i < n {
             let q = queries[i * d..].as_ptr();
-            let row = &mut scores[i * span..(i + 1) * span];
-            if start + SCORE_BLOCK <= visible {
+            let rows = unsafe { keys.add(start * d) };
+            if V::PAIRS && full(i) && i + 1 < n && full(i + 1) {
                 unsafe {
-                    let block = scores8::<E, V>(q, keys.add(start * d), d);
+                    let [b0, b1] = scores8_pair::<E, V>(q, q.add(d), rows, d);
+                    _mm256_storeu_ps(scores[i * span + start..].as_mut_ptr(), b0);
+                    _mm256_storeu_ps(scores[(i + 1) * span + start..].as_mut_ptr(), b1);
+                }
+                i += 2;
+                continue;
+            }
+            let row = &mut scores[i * span..(i + 1) * span];
+            if full(i) {
+                unsafe {
+                    let block = scores8::<E, V>(q, rows, d);
                     _mm256_storeu_ps(row[start..start + SCORE_BLOCK].as_mut_ptr(), block);
                 }
             } else {
-                for (j, score) in row.iter_mut().enumerate().take(visible).skip(start) {
+                for (j, score) in row.iter_mut().enumerate().take(g.visible[i]).skip(start) {
                     *score = unsafe { score1::<E, V>(q, keys.add(j * d), d) };
                 }
             }
+            i += 1;
         }
     }
     // The values' first lines load while the softmax computes.
@@ -362,6 +379,41 @@ unsafe fn scores8<E: KvElem, V: Lanes>(q: *const f32, k: *const E, d: usize) -> 
             *f = a.fold8();
         }
         sum_each(folded)
+    }
+}
+
+/// [`scores8`] for the two queries at `q0` and `q1` at once: each key chunk is widened once
+/// for both (16 accumulators: for the 32 registers of AVX-512).
+///
+/// # Safety
+/// As [`scores8`], for both queries.
+#[inline(always)]
+unsafe fn scores8_pair<E: KvElem, V: Lanes>(
+    q0: *const f32,
+    q1: *const f32,
+    k: *const E,
+    d: usize,
+) -> [__m256; 2] {
+    unsafe {
+        let mut acc = [[V::zero(); SCORE_BLOCK]; 2];
+        for c in (0..d).step_by(2 * V::N) {
+            let (a0, b0) = (V::load(q0.add(c)), V::load(q0.add(c + V::N)));
+            let (a1, b1) = (V::load(q1.add(c)), V::load(q1.add(c + V::N)));
+            for r in 0..SCORE_BLOCK {
+                let (ka, kb) = E::load_chunk::<V>(k.add(r * d + c));
+                acc[0][r] = b0.mul_add(kb, a0.mul_add(ka, acc[0][r]));
+                acc[1][r] = b1.mul_add(kb, a1.mul_add(ka, acc[1][r]));
+            }
+        }
+        let mut out = [_mm256_setzero_ps(); 2];
+        for (o, a) in out.iter_mut().zip(acc) {
+            let mut folded = [_mm256_setzero_ps(); SCORE_BLOCK];
+            for (f, v) in folded.iter_mut().zip(a) {
+                *f = v.fold8();
+            }
+            *o = sum_each(folded);
+        }
+        out
     }
 }
 
