@@ -399,10 +399,11 @@ unsafe fn scores8_pair<E: KvElem, V: Lanes>(
         for c in (0..d).step_by(2 * V::N) {
             let (a0, b0) = (V::load(q0.add(c)), V::load(q0.add(c + V::N)));
             let (a1, b1) = (V::load(q1.add(c)), V::load(q1.add(c + V::N)));
-            for r in 0..SCORE_BLOCK {
+            let [acc0, acc1] = &mut acc;
+            for (r, (x, y)) in acc0.iter_mut().zip(acc1.iter_mut()).enumerate() {
                 let (ka, kb) = E::load_chunk::<V>(k.add(r * d + c));
-                acc[0][r] = b0.mul_add(kb, a0.mul_add(ka, acc[0][r]));
-                acc[1][r] = b1.mul_add(kb, a1.mul_add(ka, acc[1][r]));
+                *x = b0.mul_add(kb, a0.mul_add(ka, *x));
+                *y = b1.mul_add(kb, a1.mul_add(ka, *y));
             }
         }
         let mut out = [_mm256_setzero_ps(); 2];
