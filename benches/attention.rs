@@ -42,6 +42,26 @@ fn read_through(bytes: &[u64]) -> u64 {
         .reduce(|| 0, |a, b| a ^ b)
 }
 
+/// The time of `iters` rounds of `call` on each layer's item, each call after reading that
+/// layer's slice of `other` (untimed).
+fn timed_after_other_reads<T>(
+    iters: u64,
+    per_layer: &[T],
+    other: &[u64],
+    mut call: impl FnMut(&T),
+) -> Duration {
+    let mut timed = Duration::ZERO;
+    for _ in 0..iters {
+        for (item, between) in per_layer.iter().zip(other.chunks(BETWEEN_LAYERS_BYTES / 8)) {
+            std::hint::black_box(read_through(between));
+            let start = Instant::now();
+            call(item);
+            timed += start.elapsed();
+        }
+    }
+    timed
+}
+
 fn bench_attention(c: &mut Criterion) {
     // One slice of other memory per layer, so that a layer's cache was last read 1 GiB ago.
     let other: Vec<u64> = (0..(LAYERS * BETWEEN_LAYERS_BYTES / 8) as u64).collect();
@@ -61,18 +81,9 @@ fn bench_attention(c: &mut Criterion) {
         g.throughput(Throughput::Bytes(bytes as u64));
         g.bench_function("decode_ctx4000_16_layers", |b| {
             b.iter_custom(|iters| {
-                let mut timed = Duration::ZERO;
-                for _ in 0..iters {
-                    for (cache, between) in
-                        layers.iter().zip(other.chunks(BETWEEN_LAYERS_BYTES / 8))
-                    {
-                        std::hint::black_box(read_through(between));
-                        let start = Instant::now();
-                        std::hint::black_box(attend(&q, cache, 1, heads, scale));
-                        timed += start.elapsed();
-                    }
-                }
-                timed
+                timed_after_other_reads(iters, &layers, &other, |cache| {
+                    std::hint::black_box(attend(&q, cache, 1, heads, scale));
+                })
             })
         });
         // The bound: reading as many bytes per layer (an XOR fold), after the same reads.
@@ -82,17 +93,9 @@ fn bench_attention(c: &mut Criterion) {
             .collect();
         g.bench_function("plain_read_of_the_same_bytes", |b| {
             b.iter_custom(|iters| {
-                let mut timed = Duration::ZERO;
-                for _ in 0..iters {
-                    for (bytes, between) in plain.iter().zip(other.chunks(BETWEEN_LAYERS_BYTES / 8))
-                    {
-                        std::hint::black_box(read_through(between));
-                        let start = Instant::now();
-                        std::hint::black_box(read_through(bytes));
-                        timed += start.elapsed();
-                    }
-                }
-                timed
+                timed_after_other_reads(iters, &plain, &other, |bytes| {
+                    std::hint::black_box(read_through(bytes));
+                })
             })
         });
         drop((layers, plain));

@@ -14,7 +14,7 @@
 //! ([`KvElem::load_chunk`]); the queries are permuted into that order once, and the outputs
 //! back.
 
-use super::{GroupQueries, KvElem};
+use super::{prefetch_rows, GroupQueries, KvElem};
 use crate::kernels::x86_simd::{prefetch_l2, STREAM_AHEAD_BYTES};
 use std::arch::x86_64::*;
 
@@ -261,13 +261,13 @@ unsafe fn attend_group<E: KvElem, V: Lanes>(g: &GroupQueries<E>, out: &mut [f32]
     prefetch_start(keys, span * d);
     for start in (0..span).step_by(SCORE_BLOCK) {
         let end = (start + SCORE_BLOCK).min(span);
+        prefetch_rows(&g.keys[start * d..end * d]);
         // SAFETY (all below): rows below `span` lie inside the keys and values (asserted).
-        prefetch_ahead(unsafe { keys.add(start * d) }, (end - start) * d);
+        let rows = unsafe { keys.add(start * d) };
         let full = |i: usize| start + SCORE_BLOCK <= g.visible[i];
         let mut i = 0;
         while i < n {
             let q = queries[i * d..].as_ptr();
-            let rows = unsafe { keys.add(start * d) };
             if V::PAIRS && full(i) && i + 1 < n && full(i + 1) {
                 unsafe {
                     let [b0, b1] = scores8_pair::<E, V>(q, q.add(d), rows, d);
@@ -305,7 +305,7 @@ unsafe fn attend_group<E: KvElem, V: Lanes>(g: &GroupQueries<E>, out: &mut [f32]
     let chunks = d / chunk;
     for start in (0..span).step_by(VALUE_BLOCK) {
         let end = (start + VALUE_BLOCK).min(span);
-        prefetch_ahead(unsafe { values.add(start * d) }, (end - start) * d);
+        prefetch_rows(&g.values[start * d..end * d]);
         for (i, &visible) in g.visible.iter().enumerate() {
             let stop = end.min(visible);
             if start >= stop {
@@ -337,18 +337,8 @@ unsafe fn attend_group<E: KvElem, V: Lanes>(g: &GroupQueries<E>, out: &mut [f32]
     }
 }
 
-/// Prefetches into L2 the `len` elements that lie [`STREAM_AHEAD_BYTES`] past `p`, one
-/// prefetch per 64 bytes (a prefetch never faults, so they may lie past the end).
-#[inline(always)]
-fn prefetch_ahead<E>(p: *const E, len: usize) {
-    let p = p as *const u8;
-    for off in (0..len * size_of::<E>()).step_by(64) {
-        prefetch_l2(p.wrapping_add(STREAM_AHEAD_BYTES + off));
-    }
-}
-
 /// Prefetches into L2 the first [`STREAM_AHEAD_BYTES`] of the `len` elements at `p`: the part
-/// of a stream that [`prefetch_ahead`] does not cover.
+/// of a stream that [`prefetch_rows`] does not cover.
 #[inline(always)]
 fn prefetch_start<E>(p: *const E, len: usize) {
     let p = p as *const u8;
