@@ -440,9 +440,19 @@ impl DotShape {
             chunks_per_group: layout.group_size.get() / CHUNK_WEIGHTS,
         }
     }
-    /// Checks every slice covers the geometry, so the SIMD loops stay in bounds.
+    /// Checks a row's weights and scales and the activations cover the geometry, so the
+    /// SIMD loops stay in bounds.
     fn check<T, const TB: usize>(&self, w: &[u8], s: &[u8], acts: &ActBlock<T>) {
         assert!(w.len() >= self.chunks * CHUNK_BYTES && s.len() >= 2 * self.groups);
+        self.check_acts::<T, TB>(acts);
+    }
+    /// [`check`](Self::check) for every row of `m` at once.
+    fn check_matrix<T, const TB: usize>(&self, m: &PackedMatrix, acts: &ActBlock<T>) {
+        assert!(m.row_bytes >= self.chunks * CHUNK_BYTES && m.row_scale_bytes >= 2 * self.groups);
+        self.check_acts::<T, TB>(acts);
+    }
+    /// Checks the activations cover the geometry.
+    fn check_acts<T, const TB: usize>(&self, acts: &ActBlock<T>) {
         let unit = if acts.words { WORD_BLOCK_CHUNKS } else { 1 };
         let padded_chunks = self.chunks.div_ceil(unit) * unit;
         assert!(acts.tb == TB && acts.q.len() >= padded_chunks * TB * CHUNK_WEIGHTS);
@@ -504,6 +514,65 @@ mod x86 {
     #[target_feature(enable = "avx2,f16c")]
     fn scale_f16c(s: &[u8], g: usize) -> f32 {
         f16_bits_to_f32(u16::from_le_bytes([s[2 * g], s[2 * g + 1]]))
+    }
+
+    /// A group's exact partial sums as one instruction set's group-sum function leaves them
+    /// (integer lanes whose total is the group's sum): what `row_tile!` and `token_lanes!`
+    /// reduce to one total per group before scaling.
+    trait GroupSums: Copy {
+        /// No partial sums.
+        unsafe fn zero() -> Self;
+        /// Lane `j` of the result: the total of every lane of `v[j]`.
+        unsafe fn totals8(v: [Self; 8]) -> __m256i;
+    }
+
+    impl GroupSums for __m256i {
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            _mm256_setzero_si256()
+        }
+        #[inline(always)]
+        unsafe fn totals8(v: [Self; 8]) -> __m256i {
+            hsum_lanes(v)
+        }
+    }
+
+    impl GroupSums for __m512i {
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            _mm512_setzero_si512()
+        }
+        /// A transposing tree on 512-bit registers: 24 instructions (16 of them shuffles) for
+        /// 8 groups, where folding each group to 256 bits (extract, add) and `hsum_lanes`'s
+        /// `vphaddd` tree take 37 (22 shuffles), which on an Intel core share ports 0 and 5
+        /// with the group sums' own AND, shift and `vpdpwssd`. Integer adds in another order:
+        /// the same exact totals.
+        #[inline(always)]
+        unsafe fn totals8(v: [Self; 8]) -> __m256i {
+            // Per 128-bit lane, `u[p]` = [a₀+a₂, b₀+b₂, a₁+a₃, b₁+b₃] of groups a = 2p,
+            // b = 2p + 1 (loops and plain calls: a closure would lose the target features).
+            let mut u = [_mm512_setzero_si512(); 4];
+            for p in 0..4 {
+                let (a, b) = (v[2 * p], v[2 * p + 1]);
+                u[p] = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+            }
+            // Per 128-bit lane, groups 0..4 (`lo`) and 4..8 (`hi`) in its four elements.
+            let lo = _mm512_add_epi32(
+                _mm512_unpacklo_epi64(u[0], u[1]),
+                _mm512_unpackhi_epi64(u[0], u[1]),
+            );
+            let hi = _mm512_add_epi32(
+                _mm512_unpacklo_epi64(u[2], u[3]),
+                _mm512_unpackhi_epi64(u[2], u[3]),
+            );
+            // [lo₀+lo₂, lo₁+lo₃, hi₀+hi₂, hi₁+hi₃], then the pairs of 128-bit lanes added.
+            let s = _mm512_add_epi32(
+                _mm512_shuffle_i64x2::<0x44>(lo, hi),
+                _mm512_shuffle_i64x2::<0xEE>(lo, hi),
+            );
+            let s = _mm512_shuffle_i64x2::<0xD8>(s, s);
+            _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64::<1>(s))
+        }
     }
 
     /// The `vpshufb` pattern that zero-extends bytes 0..8 of a 128-bit lane into the low
@@ -618,8 +687,9 @@ mod x86 {
             /// `R` rows times a block of activation rows (see `row_tile!`).
             ///
             /// # Safety
-            /// The CPU must support the target features; the slices must cover `shape`
-            /// (checked).
+            /// The CPU must support the target features; the rows' matrix and the activations
+            /// must have passed `shape.check_matrix` (once per block of rows: checking every
+            /// tile's rows cost 5% of a decode call from L2).
             #[inline]
             #[target_feature(enable = $features)]
             unsafe fn $tile<const R: usize, const TB: usize>(
@@ -627,9 +697,6 @@ mod x86 {
                 rows: [(&[u8], &[u8]); R],
                 acts: &ActBlock<$act>,
             ) -> [[f32; TB]; R] {
-                for (w, s) in rows {
-                    shape.check::<$act, TB>(w, s, acts);
-                }
                 assert_eq!(acts.words, $words, "activations in the wrong layout");
                 by_chunks_per_group!(shape, $groups::<R, TB>(shape, rows, acts))
             }
@@ -637,8 +704,7 @@ mod x86 {
             /// The tile function for groups of `CPG` chunks.
             ///
             /// # Safety
-            /// As the tile function, after `shape.check` passed for every row and with
-            /// `CPG = shape.chunks_per_group`.
+            /// As the tile function, with `CPG = shape.chunks_per_group`.
             #[inline]
             #[target_feature(enable = $features)]
             unsafe fn $groups<const R: usize, const TB: usize, const CPG: usize>(
@@ -660,10 +726,10 @@ mod x86 {
                 let runs = full_groups / 8;
                 for run in 0..runs {
                     let g0 = run * 8;
-                    // SAFETY (the whole run): `shape.check` proved that the run's chunks lie
+                    // SAFETY (the whole run): `shape.check_matrix` proved that the run's chunks lie
                     // inside every row and `q`, every `s` holds its 8 scales and `row_scale`
                     // 8 per token from `g0`.
-                    let mut sums = [[[_mm256_setzero_si256(); 8]; TB]; R];
+                    let mut sums = [[[GroupSums::zero(); 8]; TB]; R];
                     // `sums` is group-minor, the loop group-major: the index transposes. The
                     // trip count is opaque so that the loop stays rolled: unrolled, the 8
                     // groups' loads are hoisted and their registers spilled (measured 2–3%
@@ -684,8 +750,10 @@ mod x86 {
                         for t in 0..TB {
                             let at = t * shape.groups + g0;
                             let corr = acts.row_corr.as_ptr().add(at) as *const __m256i;
-                            let totals =
-                                _mm256_add_epi32(hsum_lanes(sums[r][t]), _mm256_loadu_si256(corr));
+                            let totals = _mm256_add_epi32(
+                                GroupSums::totals8(sums[r][t]),
+                                _mm256_loadu_si256(corr),
+                            );
                             let xs = acts.row_scale.as_ptr().add(at);
                             let totals = _mm256_cvtepi32_ps(totals);
                             let f = _mm256_mul_ps(ws, _mm256_loadu_ps(xs));
@@ -708,10 +776,10 @@ mod x86 {
                             // The group's exact total in lane 0 (zeros elsewhere), as `$sums`
                             // of different instruction sets split it differently across lanes.
                             let corr = acts.row_corr[t * shape.groups + gi];
-                            let mut lanes = [_mm256_setzero_si256(); 8];
+                            let mut lanes = [GroupSums::zero(); 8];
                             lanes[0] = acc[r][t];
                             let corr = _mm256_setr_epi32(corr, 0, 0, 0, 0, 0, 0, 0);
-                            let total = _mm256_add_epi32(hsum_lanes(lanes), corr);
+                            let total = _mm256_add_epi32(GroupSums::totals8(lanes), corr);
                             let sum = _mm256_cvtepi32_ps(total);
                             facc[r][t] = _mm256_fmadd_ps(sum, f, facc[r][t]);
                         }
@@ -750,8 +818,7 @@ mod x86 {
             /// several tokens share a row (prefill).
             ///
             /// # Safety
-            /// The CPU must support the target features; the slices must cover `shape`
-            /// (checked).
+            /// As the tile function.
             #[inline]
             #[target_feature(enable = $features)]
             unsafe fn $tokens<const TB: usize>(
@@ -760,7 +827,6 @@ mod x86 {
                 s: &[u8],
                 acts: &ActBlock<$act>,
             ) -> [f32; TB] {
-                shape.check::<$act, TB>(w, s, acts);
                 assert_eq!(acts.words, $words, "activations in the wrong layout");
                 by_chunks_per_group!(shape, $tokens_groups::<TB>(shape, w, s, acts))
             }
@@ -768,8 +834,7 @@ mod x86 {
             /// The token-lane function for groups of `CPG` chunks.
             ///
             /// # Safety
-            /// As the token-lane function, after `shape.check` passed and with
-            /// `CPG = shape.chunks_per_group`.
+            /// As the token-lane function, with `CPG = shape.chunks_per_group`.
             #[inline]
             #[target_feature(enable = $features)]
             unsafe fn $tokens_groups<const TB: usize, const CPG: usize>(
@@ -789,7 +854,7 @@ mod x86 {
                     } else {
                         shape.chunks - gi * CPG
                     };
-                    // SAFETY: `shape.check` proved that the group's chunks lie inside `w` and
+                    // SAFETY: `shape.check_matrix` proved that the group's chunks lie inside `w` and
                     // `q`, and that `scale` and `corr` hold 8 lanes per group.
                     let acc = $sums::<1, TB>(
                         [wp.add(gi * CPG * CHUNK_BYTES)],
@@ -797,13 +862,9 @@ mod x86 {
                         n,
                     );
                     let at = gi * MAX_TOKEN_BLOCK;
-                    let totals = hsum_lanes(std::array::from_fn(|t| {
-                        if t < TB {
-                            acc[0][t]
-                        } else {
-                            _mm256_setzero_si256()
-                        }
-                    }));
+                    let mut lanes = [GroupSums::zero(); 8];
+                    lanes[..TB].copy_from_slice(&acc[0]);
+                    let totals = GroupSums::totals8(lanes);
                     let corr = _mm256_loadu_si256(acts.corr.as_ptr().add(at) as *const __m256i);
                     let totals = _mm256_cvtepi32_ps(_mm256_add_epi32(totals, corr));
                     let f = _mm256_mul_ps(
@@ -1043,7 +1104,7 @@ mod x86 {
         wp: [*const u8; R],
         xp: *const i16,
         n: usize,
-    ) -> [[__m256i; TB]; R] {
+    ) -> [[__m512i; TB]; R] {
         let mut acc = [[_mm512_setzero_si512(); TB]; R];
         let mut high = [[_mm512_setzero_si512(); TB]; R];
         for j in 0..n.div_ceil(WORD_BLOCK_CHUNKS) {
@@ -1064,15 +1125,12 @@ mod x86 {
             }
         }
         // Loops, not `map`: a closure calling intrinsics is not inlined into `map`.
-        let mut sums = [[_mm256_setzero_si256(); TB]; R];
         for r in 0..R {
             for t in 0..TB {
-                let a = _mm512_add_epi32(acc[r][t], high[r][t]);
-                let upper = _mm512_extracti64x4_epi64::<1>(a);
-                sums[r][t] = _mm256_add_epi32(_mm512_castsi512_si256(a), upper);
+                acc[r][t] = _mm512_add_epi32(acc[r][t], high[r][t]);
             }
         }
-        sums
+        acc
     }
 
     /// [`group_sums_avx512`] for `i8` activations in word blocks ([`WORD_BLOCK_CHUNKS`]): per
@@ -1090,7 +1148,7 @@ mod x86 {
         wp: [*const u8; R],
         xp: *const i8,
         n: usize,
-    ) -> [[__m256i; TB]; R] {
+    ) -> [[__m512i; TB]; R] {
         let mut acc = [[_mm512_setzero_si512(); TB]; R];
         let nibble = _mm512_set1_epi8(0x0f);
         for j in 0..n.div_ceil(WORD_BLOCK_CHUNKS) {
@@ -1110,16 +1168,7 @@ mod x86 {
                 }
             }
         }
-        // Loops, not `map`: a closure calling intrinsics is not inlined into `map`.
-        let mut sums = [[_mm256_setzero_si256(); TB]; R];
-        for r in 0..R {
-            for t in 0..TB {
-                let a = acc[r][t];
-                let upper = _mm512_extracti64x4_epi64::<1>(a);
-                sums[r][t] = _mm256_add_epi32(_mm512_castsi512_si256(a), upper);
-            }
-        }
-        sums
+        acc
     }
 
     /// Weight rows per tile at decode (one activation row): they share each chunk's
@@ -1147,14 +1196,15 @@ mod x86 {
                 acts: &ActBlock<$act>,
                 out: &mut [f32],
             ) {
+                shape.check_matrix::<$act, TB>(m, acts);
                 let mut n = rows.start;
                 let mut out = out.chunks_exact_mut(TB);
                 if TB == 1 {
                     const R: usize = DECODE_TILE_ROWS;
                     while n + R <= rows.end {
                         let tile: [_; R] = std::array::from_fn(|r| m.row(n + r));
-                        // SAFETY: the caller guarantees the CPU features; the tile function
-                        // checks the slices against `shape`.
+                        // SAFETY: the caller guarantees the CPU features; `check_matrix`
+                        // checked the rows and activations against `shape` above.
                         for v in unsafe { $tile::<R, TB>(shape, tile, acts) } {
                             out.next().expect("one output per row").copy_from_slice(&v);
                         }
