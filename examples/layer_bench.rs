@@ -8,7 +8,8 @@
 //! last read a whole step (every other layer) before, so a last-level cache larger than one layer
 //! holds few of them (the JSON gives `int4_working_set_bytes` next to `llc_bytes`). The order of
 //! the backends rotates by one each iteration, so every backend is timed equally often after
-//! each of the others.
+//! each of the others. Calls come from a pool thread, and the INT4 backends' bursts run with
+//! rayon's workers kept awake, as a model's forward pass runs them.
 //!
 //! ```text
 //! cargo run --release --example layer_bench -- --shape olmoe --tokens 1
