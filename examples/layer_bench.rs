@@ -291,7 +291,7 @@ fn main() -> Result<()> {
                 // Our backends run as a model step runs them, with rayon's workers kept
                 // awake (`pool::with_workers_awake`); left to fall asleep between calls, a
                 // worker's wake-up went into every parallel op (one OLMoE layer on 2 threads:
-                // 1.17 ms against 1.03). Candle's backends use their own pool, which spins
+                // 1.17 ms against 1.07–1.08). Candle's backends use their own pool, which spins
                 // between ops by itself: polling rayon workers would only take its cores.
                 let ms = if backends[b].0.starts_with("int4") {
                     candle_qmoe::pool::with_workers_awake(|| run_burst(&mut call))?

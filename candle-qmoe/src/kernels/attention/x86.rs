@@ -362,13 +362,7 @@ unsafe fn scores8<E: KvElem, V: Lanes>(q: *const f32, k: *const E, d: usize) -> 
                 *a = qb.mul_add(kb, qa.mul_add(ka, *a));
             }
         }
-        // A loop, not `acc.map(…)`: a closure would be compiled without the entry point's
-        // target features, and the intrinsics in it called instead of inlined.
-        let mut folded = [_mm256_setzero_ps(); SCORE_BLOCK];
-        for (f, a) in folded.iter_mut().zip(acc) {
-            *f = a.fold8();
-        }
-        sum_each(folded)
+        block_scores(acc)
     }
 }
 
@@ -396,16 +390,23 @@ unsafe fn scores8_pair<E: KvElem, V: Lanes>(
                 *y = b1.mul_add(kb, a1.mul_add(ka, *y));
             }
         }
-        let mut out = [_mm256_setzero_ps(); 2];
-        for (o, a) in out.iter_mut().zip(acc) {
-            let mut folded = [_mm256_setzero_ps(); SCORE_BLOCK];
-            for (f, v) in folded.iter_mut().zip(a) {
-                *f = v.fold8();
-            }
-            *o = sum_each(folded);
-        }
-        out
+        [block_scores(acc[0]), block_scores(acc[1])]
     }
+}
+
+/// The scores of a block of key rows from their accumulators: lane `r` the total of `acc[r]`.
+///
+/// # Safety
+/// The width `V`.
+#[inline(always)]
+unsafe fn block_scores<V: Lanes>(acc: [V; SCORE_BLOCK]) -> __m256 {
+    // A loop, not `acc.map(…)`: a closure would be compiled without the entry point's target
+    // features, and the intrinsics in it called instead of inlined.
+    let mut folded = [unsafe { _mm256_setzero_ps() }; SCORE_BLOCK];
+    for (f, a) in folded.iter_mut().zip(acc) {
+        *f = unsafe { a.fold8() };
+    }
+    unsafe { sum_each(folded) }
 }
 
 /// The dot product of the `d` lane-ordered query values at `q` with the key row at `k`.
