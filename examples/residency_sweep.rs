@@ -295,7 +295,7 @@ fn main() -> Result<()> {
     let mut doc = json!({
         "schema": "candle-qmoe/residency-sweep/1",
         "device": candle_qmoe_suite::system::device_json(&device),
-        "commit": std::env::var("QMOE_COMMIT").ok().or_else(candle_qmoe_suite::system::git_commit),
+        "commit": candle_qmoe_suite::system::git_commit(),
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "trace_note": "uniform = random_routing (what random weights produce); skewed = \
                        skewed_routing(seed 3, zipf 1.0, reuse 0.5); first 1/8 of each trace \

@@ -14,21 +14,26 @@
 #
 # A GPU window is short (15 minutes of device time, machine start included), so the first call
 # is a quick pass that leaves time for a second try: tests ≤ 100 s, `gpu_check --quick` ≤ 150 s,
-# a quick residency sweep ≤ 90 s (≈ 6 minutes at most). Through the device tool, after
+# a quick residency sweep ≤ 90 s, end to end (`bench` on synthetic OLMoE at 16, 32 and all
+# resident experts) ≤ 120 s: under 8 minutes at most; the first three took 66 s on an H200.
+# Through the device tool, after
 # `scripts/gpu-check.sh build`, from the repository root:
 #
-#   run(command="bash scripts/gpu-check.sh run", carry=["target/gpu-carry"], timeout_s=420)
+#   run(command="bash scripts/gpu-check.sh run", carry=["target/gpu-carry"], timeout_s=480)
 #
-# Then, only if time is left, the full pass (all cases and timings: tests ≤ 120 s, check ≤ 240 s,
-# sweep ≤ 150 s):
+# Then, only if time is left, the full pass (all cases and timings, both synthetic models: tests
+# ≤ 100 s, check ≤ 200 s, sweep ≤ 120 s, end to end ≤ 150 s):
 #
 #   run(command="bash scripts/gpu-check.sh run --full", carry=["target/gpu-carry"], timeout_s=590)
 #
-# The limits can be changed with QMOE_TEST_TIMEOUT, QMOE_CHECK_TIMEOUT, QMOE_SWEEP_TIMEOUT.
-# Extra arguments after `run [--full]` go to gpu_check. The JSON goes to $OUT/gpu_check.json and
-# $OUT/residency_sweep.json (and to bench/results/ in the tree it runs in); through the device
-# tool only $OUT comes back: copy them to bench/results/gpu-check-<date>-<commit12>[-quick].json
-# and bench/results/residency-sweep-h200.json and commit them.
+# The limits can be changed with QMOE_TEST_TIMEOUT, QMOE_CHECK_TIMEOUT, QMOE_SWEEP_TIMEOUT,
+# QMOE_BENCH_TIMEOUT.
+# Extra arguments after `run [--full]` go to gpu_check. The JSON goes to $OUT/gpu_check.json,
+# $OUT/residency_sweep.json and $OUT/bench-<model>.json (with a plot .svg), the logs to
+# $OUT/logs.tar.gz (the device tool returns at most 8 files); through the device tool only $OUT
+# comes back: copy them to bench/results/gpu-check-<date>-<commit12>[-quick].json,
+# bench/results/residency-sweep-h200.json and bench/results/bench-<model>-h200.json and commit
+# them.
 #
 # The libcuda stub of scripts/cuda-env.sh is never carried: the GPU machine's driver provides
 # libcuda.so.1. libcudart/libcublas/libcublasLt/libcurand/libnvrtc (CUDA 13) are looked for in
@@ -39,7 +44,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CARRY=target/gpu-carry
 LIMIT=$((64 * 1024 * 1024))
-BINS=(gpu_check cuda_kernels residency_sweep)
+BINS=(gpu_check cuda_kernels residency_sweep bench)
 LIBS=(libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnvrtc.so.13)
 
 build() {
@@ -47,7 +52,7 @@ build() {
     source scripts/cuda-env.sh
     local msg
     msg=$(cargo build --release --features cuda --example gpu_check --example residency_sweep \
-        --test cuda_kernels --message-format=json-render-diagnostics)
+        --example bench --test cuda_kernels --message-format=json-render-diagnostics)
     rm -rf "$CARRY"
     mkdir -p "$CARRY"
     # Stripped and xz-compressed: the embedded PTX and cubins compress 2.3x better with xz than
@@ -173,17 +178,19 @@ run() {
         ldd "$work/gpu_check" | grep "not found" >&2
         echo "gpu-check: missing libraries (see $OUT/env.txt)" >&2
     fi
-    local t_tests t_check t_sweep suffix check_args sweep_args
+    local t_tests t_check t_sweep t_bench suffix check_args sweep_args bench_models
     if [ "$full" = 1 ]; then
-        t_tests=120 t_check=240 t_sweep=150 suffix=""
+        t_tests=100 t_check=200 t_sweep=120 t_bench=150 suffix=""
         check_args=()
         sweep_args=(--trace-tokens 128 --models "olmoe,qwen2moe" --quick -n 16)
+        bench_models=(olmoe qwen2moe)
     else
-        t_tests=100 t_check=150 t_sweep=90 suffix="-quick"
+        t_tests=100 t_check=150 t_sweep=90 t_bench=120 suffix="-quick"
         check_args=(--quick)
         sweep_args=(--trace-tokens 64 --models olmoe --quick -n 8)
+        bench_models=(olmoe)
     fi
-    local rc_tests=0 rc_check=0 rc_sweep=0
+    local rc_tests=0 rc_check=0 rc_sweep=0 rc_bench=0 m rc
     set +e
     echo "gpu-check: tests (cuda_kernels, ≤ ${QMOE_TEST_TIMEOUT:-$t_tests} s)"
     timeout -k 10 "${QMOE_TEST_TIMEOUT:-$t_tests}" "$work/cuda_kernels" --test-threads 1 >"$OUT/tests.log" 2>&1
@@ -200,9 +207,24 @@ run() {
         "${sweep_args[@]}" 2>"$OUT/residency_sweep.log"
     rc_sweep=$?
     tail -n 25 "$OUT/residency_sweep.log"
+    # End to end: the benchmark contract, shrunk, on the synthetic models at 16 and 32 resident
+    # experts per layer and at full residency (decode tok/s, TTFT, peak device memory).
+    echo "gpu-check: end to end (bench ${bench_models[*]}, ≤ ${QMOE_BENCH_TIMEOUT:-$t_bench} s in all)"
+    local bench_end=$((SECONDS + ${QMOE_BENCH_TIMEOUT:-$t_bench}))
+    for m in "${bench_models[@]}"; do
+        timeout -k 10 $((bench_end - SECONDS > 1 ? bench_end - SECONDS : 1)) "$work/bench" \
+            --synthetic "$m" --sweep 16,32,all --prompts 2 --blocks 2 -n 32 --warmup 16 \
+            --json "$OUT/bench-$m.json" >>"$OUT/bench.log" 2>&1
+        rc=$?
+        [ "$rc" -eq 0 ] || rc_bench=$rc
+    done
+    grep -vE "^\s*$" "$OUT/bench.log" | tail -n 12
     set -e
-    echo "gpu-check: tests rc=$rc_tests, check rc=$rc_check, sweep rc=$rc_sweep (124 = timed out); logs in $OUT"
-    [ "$rc_tests" -eq 0 ] && [ "$rc_check" -eq 0 ] && [ "$rc_sweep" -eq 0 ]
+    # The device tool returns at most 8 files: the logs travel as one archive.
+    local logs=(env.txt tests.log gpu_check.log gpu_check.txt residency_sweep.log bench.log)
+    tar -czf "$OUT/logs.tar.gz" -C "$OUT" "${logs[@]}" && (cd "$OUT" && rm -f "${logs[@]}")
+    echo "gpu-check: tests rc=$rc_tests, check rc=$rc_check, sweep rc=$rc_sweep, bench rc=$rc_bench (124 = timed out); logs in $OUT/logs.tar.gz"
+    [ "$rc_tests" -eq 0 ] && [ "$rc_check" -eq 0 ] && [ "$rc_sweep" -eq 0 ] && [ "$rc_bench" -eq 0 ]
 }
 
 case "${1:-}" in

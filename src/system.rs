@@ -143,8 +143,13 @@ pub fn memory_bandwidth() -> MemoryBandwidth {
     }
 }
 
-/// The current git commit (with `-dirty` when the tree has changes), or `null`.
+/// The commit: `$QMOE_COMMIT` when set (binaries carried to a machine without the repository, as
+/// the GPU check does), else `git describe` of the working tree (with `-dirty` when it has
+/// changes), else `None`.
 pub fn git_commit() -> Option<String> {
+    if let Ok(c) = std::env::var("QMOE_COMMIT") {
+        return Some(c);
+    }
     let out = std::process::Command::new("git")
         .args(["describe", "--always", "--dirty", "--abbrev=12"])
         .output()

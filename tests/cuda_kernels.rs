@@ -196,16 +196,18 @@ fn run_case(dev: &Device, c: Case, seed: u64) -> Result<(), Failed> {
 
 /// The ids and weights the GPU gets for `c.routing`, and an equivalent distinct routing for the
 /// CPU reference (which refuses repeats and out-of-range ids): a repeated pair's weight moves to
-/// its first occurrence and an out-of-range pair becomes an unused expert of weight 0 (adding
-/// 0 · y = 0 exactly).
+/// its first occurrence and an out-of-range pair becomes an expert the token does not use yet, of
+/// weight 0 (adding 0 · y = 0 exactly). Each replaced pair gets its own such expert, so the
+/// reference row stays distinct however many pairs are replaced.
 fn apply_routing(c: Case, ids: Vec<u32>, w: Vec<f32>) -> (Vec<u32>, Vec<f32>, Vec<u32>, Vec<f32>) {
     let (mut gpu_ids, mut ref_ids, mut ref_w) = (ids.clone(), ids, w.clone());
     for tok in 0..c.tokens {
         let row = tok * c.k..(tok + 1) * c.k;
-        let unused = (0..c.experts as u32)
-            .find(|e| !ref_ids[row.clone()].contains(e))
-            .expect("k < E leaves an unused expert");
         for j in row.clone() {
+            // The row always holds k distinct ids and k < E, so one is left over.
+            let unused = (0..c.experts as u32)
+                .find(|e| !ref_ids[row.clone()].contains(e))
+                .expect("k < E leaves an unused expert");
             let out_of_range = match c.routing {
                 Routing::Distinct => false,
                 Routing::Repeats => {
@@ -228,6 +230,51 @@ fn apply_routing(c: Case, ids: Vec<u32>, w: Vec<f32>) -> (Vec<u32>, Vec<f32>, Ve
         }
     }
     (gpu_ids, w, ref_ids, ref_w)
+}
+
+/// Every case's reference routing is what the CPU oracle accepts: each token's ids distinct and
+/// below E, with weight 0 wherever the GPU's id differs (needs no GPU).
+fn reference_routings_are_distinct() -> Result<(), Failed> {
+    for (i, c) in cases().into_iter().enumerate() {
+        let (ids, w) = random_routing(2000 + i as u64, c.tokens, c.k, c.experts);
+        let (gpu_ids, gpu_w, ref_ids, ref_w) = apply_routing(c, ids, w);
+        for tok in 0..c.tokens {
+            let row = tok * c.k..(tok + 1) * c.k;
+            for j in row.clone() {
+                if ref_ids[j] as usize >= c.experts || ref_ids[row.start..j].contains(&ref_ids[j]) {
+                    return Err(format!(
+                        "{}: token {tok}'s reference ids {:?}",
+                        c.name(),
+                        &ref_ids[row]
+                    )
+                    .into());
+                }
+                if gpu_ids[j] != ref_ids[j] && ref_w[j] != 0.0 {
+                    return Err(format!(
+                        "{}: pair {j} replaced with weight {}",
+                        c.name(),
+                        ref_w[j]
+                    )
+                    .into());
+                }
+            }
+            let (sum_gpu, sum_ref): (f32, f32) = (
+                gpu_w[row.clone()].iter().sum(),
+                ref_w[row.clone()].iter().sum(),
+            );
+            let in_range = gpu_ids[row.clone()]
+                .iter()
+                .all(|&e| (e as usize) < c.experts);
+            if in_range && (sum_gpu - sum_ref).abs() > 1e-6 {
+                return Err(format!(
+                    "{}: token {tok}'s weights sum {sum_gpu} vs {sum_ref}",
+                    c.name()
+                )
+                .into());
+            }
+        }
+    }
+    Ok(())
 }
 
 fn cases() -> Vec<Case> {
@@ -454,9 +501,10 @@ fn run_graph_capture(seed: u64) -> Result<(), Failed> {
         &dev,
     )?
     .to_dtype(DType::BF16)?;
+    let experts = Arc::new(Int4Experts::new(pack));
     let moe = SparseMoe::new(
-        candle_nn::Linear::new(router, None),
-        Arc::new(Int4Experts::new(pack)),
+        candle_nn::Linear::new(router.clone(), None),
+        experts.clone(),
         k,
         false,
         None,
@@ -479,7 +527,10 @@ fn run_graph_capture(seed: u64) -> Result<(), Failed> {
     let graph = stream
         .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
         .map_err(|e| format!("end capture (a host synchronisation inside?): {e:?}"))?;
-    captured.map_err(|e| format!("the captured decode step failed: {e}"))?;
+    if let Err(e) = captured {
+        let stages = capture_stages(&stream, k, &router, experts.as_ref(), &x, &out);
+        return Err(format!("the captured decode step failed: {e}; {stages}").into());
+    }
     let graph = graph.ok_or("the capture recorded nothing")?;
     for s in [seed ^ 3, seed ^ 4] {
         let x_new = input(s)?;
@@ -497,6 +548,72 @@ fn run_graph_capture(seed: u64) -> Result<(), Failed> {
     }
     eprintln!("graph: a T = 1 MoE decode step captured and replayed bit-exactly");
     Ok(())
+}
+
+/// Which stage of a decode step fails when captured alone: each stage's inputs are computed
+/// eagerly, then the stage runs inside a capture of its own ("name: ok" or "name: error").
+fn capture_stages(
+    stream: &Arc<candle::cuda_backend::cudarc::driver::CudaStream>,
+    k: usize,
+    router: &Tensor,
+    experts: &dyn RoutedExperts,
+    x: &Tensor,
+    out: &Tensor,
+) -> String {
+    use candle::cuda_backend::cudarc::driver::sys::{
+        CUgraphInstantiate_flags, CUstreamCaptureMode,
+    };
+    use candle::D;
+    let capture = |f: &dyn Fn() -> candle::Result<()>| -> String {
+        if let Err(e) = stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED) {
+            return format!("begin capture: {e:?}");
+        }
+        let r = f();
+        let g = stream
+            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+        // An error recorded by a drop inside the capture surfaces at the next call.
+        let after = stream.synchronize();
+        match (r, g, after) {
+            (Err(e), ..) => format!("{e}"),
+            (Ok(()), Err(e), _) => format!("end capture: {e:?}"),
+            (Ok(()), Ok(_), Err(e)) => format!("after: {e:?}"),
+            (Ok(()), Ok(_), Ok(())) => "ok".into(),
+        }
+    };
+    let eager = || -> candle::Result<_> {
+        let logits = x.matmul(&router.t()?)?;
+        let probs = candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32)?)?;
+        let sorted = probs.arg_sort_last_dim(false)?;
+        let ids = sorted.narrow(D::Minus1, 0, k)?.contiguous()?;
+        let w = probs.gather(&ids, D::Minus1)?;
+        let y = experts.forward(x, &ids, &w)?;
+        Ok((logits, probs, sorted, ids, w, y))
+    };
+    let (logits, probs, sorted, ids, w, y) = match eager() {
+        Ok(v) => v,
+        Err(e) => return format!("eager stages failed: {e}"),
+    };
+    let stages: [(&str, &dyn Fn() -> candle::Result<()>); 8] = [
+        ("router matmul", &|| x.matmul(&router.t()?).map(drop)),
+        ("softmax", &|| {
+            candle_nn::ops::softmax_last_dim(&logits.to_dtype(DType::F32)?).map(drop)
+        }),
+        ("arg_sort", &|| probs.arg_sort_last_dim(false).map(drop)),
+        ("top-k copy", &|| {
+            sorted.narrow(D::Minus1, 0, k)?.contiguous().map(drop)
+        }),
+        ("gather", &|| probs.gather(&ids, D::Minus1).map(drop)),
+        ("expert count", &|| {
+            candle_qmoe::moe::distinct_experts(&ids, experts.num_experts()).map(drop)
+        }),
+        ("experts", &|| experts.forward(x, &ids, &w).map(drop)),
+        ("copy out", &|| out.slice_set(&y, 0, 0)),
+    ];
+    let report: Vec<String> = stages
+        .iter()
+        .map(|(name, f)| format!("{name}: {}", capture(*f)))
+        .collect();
+    format!("stages captured alone: {}", report.join("; "))
 }
 
 /// `ptxas` of the CUDA toolkit (`$CUDA_HOME/bin/ptxas`, else on PATH), when there is one.
@@ -580,7 +697,13 @@ fn main() {
         let why = why.lines().next().unwrap_or("");
         eprintln!("SKIPPED: no CUDA device ({why}); the GPU tests below are reported as ignored");
     }
-    let mut trials = vec![Trial::test("ptx::targets_isa_and_entry_points", ptx_checks)];
+    let mut trials = vec![
+        Trial::test("ptx::targets_isa_and_entry_points", ptx_checks),
+        Trial::test(
+            "routing::reference_rows_distinct",
+            reference_routings_are_distinct,
+        ),
+    ];
     let assembler = ptxas();
     if assembler.is_none() {
         eprintln!(

@@ -114,7 +114,10 @@ impl TrafficCounters {
                 .filter(|&&e| !std::mem::replace(&mut seen[e as usize % num_experts], true))
                 .count();
             self.experts.fetch_add(distinct as u64, Ordering::Relaxed);
-        } else {
+        } else if !crate::kernels::stream_is_capturing(expert_ids.device())? {
+            // Not while a CUDA graph is being captured: replacing the running sum would free,
+            // inside the capture, a tensor allocated before it. A captured call counts its call
+            // and tokens once, and its experts not at all.
             let distinct = distinct_experts(expert_ids, num_experts)?;
             let mut acc = self.on_device.lock().unwrap_or_else(|e| e.into_inner());
             *acc = Some(match acc.take() {

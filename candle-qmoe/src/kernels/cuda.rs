@@ -220,6 +220,11 @@ impl Drop for DecodeScratch {
     }
 }
 
+/// Whether `stream` is being captured into a CUDA graph.
+pub(crate) fn stream_is_capturing(stream: &CudaStream) -> candle::Result<bool> {
+    Ok(stream.capture_status().w()? != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
 /// Key of a [`DecodeScratch`]: Candle's per-thread default stream has the same handle on every
 /// thread, so the thread is part of the key.
 type ScratchKey = (ThreadId, usize);
@@ -675,8 +680,7 @@ impl DeviceExperts {
         };
         let nthreads = geo::NTHREADS;
         if decode {
-            let capturing = stream.capture_status().w()?
-                != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            let capturing = stream_is_capturing(stream)?;
             let n_counters = h.div_ceil(geo::DEC_ROWS);
             let mut scratch =
                 self.take_decode_scratch(stream, capturing, t * k * i * es, t * k * h, n_counters)?;

@@ -14,6 +14,17 @@ pub mod dense;
 
 use crate::QmoeError;
 
+/// Whether the calling thread's stream of `device` is being captured into a CUDA graph (never on
+/// the CPU). A captured call must not free memory allocated before the capture: the driver
+/// refuses that free, and cudarc reports the refusal at the next call.
+pub fn stream_is_capturing(device: &candle::Device) -> candle::Result<bool> {
+    match device {
+        #[cfg(feature = "cuda")]
+        candle::Device::Cuda(d) => cuda::stream_is_capturing(&d.cuda_stream()),
+        _ => Ok(false),
+    }
+}
+
 /// Small SIMD helpers shared by the x86-64 kernels.
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86_simd {
