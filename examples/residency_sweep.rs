@@ -12,7 +12,9 @@
 //!    eviction policy: hit rate, bytes copied per token, time per token.
 //! 2. **Models**: greedy decoding on the synthetic models at each capacity, plain, with
 //!    `prefetch` and with `hybrid auto`: decode tokens/s, hits, bytes copied, peak cache memory,
-//!    and whether the tokens equal those of full residency.
+//!    and whether the tokens equal those of full residency. On a GPU each row also puts the
+//!    device memory in use next to the memory plan's prediction for that configuration (a GPU
+//!    calibration of the planner).
 //!
 //! Writes every figure to `--json` (device, driver, commit, command) and prints tables.
 
@@ -21,8 +23,9 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use candle::{Device, Tensor};
 use candle_qmoe::generation::{argmax, generate};
+use candle_qmoe::models::{AnyConfig, ModelConfig};
 use candle_qmoe::pack::GroupSize;
-use candle_qmoe::plan::Target;
+use candle_qmoe::plan::{Component, Plan, PlanOptions, Target};
 use candle_qmoe::residency::{HybridMode, PolicyKind, Residency, ResidencyOptions, Resident};
 use candle_qmoe::synthetic::{
     gaussian, random_layer_pack, random_routing, skewed_routing, SyntheticKind, SyntheticModel,
@@ -82,6 +85,70 @@ fn device_used_bytes(device: &Device) -> Option<u64> {
     }
     let _ = device;
     None
+}
+
+/// The memory plan's device total for `kind` with `capacity` resident experts per MoE layer, this
+/// sweep's context (the prompt plus `sample_len` tokens) and the prompt as one prefill chunk,
+/// next to `used`, the device memory in use after the run (`cuMemGetInfo`: the whole device,
+/// CUDA context included): `plan_device_bytes` `[min, max]`, `inside_plan` and the residual the
+/// plan's `runtime_overhead` has to cover (`used` minus every other component's maximum). No
+/// fields off the GPU, where `used` is `None`.
+fn plan_vs_used(
+    kind: SyntheticKind,
+    device: &Device,
+    capacity: usize,
+    sample_len: usize,
+    used: Option<u64>,
+) -> Result<Value> {
+    let Some(used) = used else {
+        return Ok(json!({}));
+    };
+    let spec = AnyConfig::from_json_str(&kind.config_json().to_string())?.spec()?;
+    let options = PlanOptions {
+        ctx: Some(PROMPT.len() + sample_len),
+        prefill_chunk: PROMPT.len(),
+        residency: Resident::Uniform(capacity),
+        ..PlanOptions::new(Target::of(device))
+    };
+    let plan = Plan::new(&spec, &options)?;
+    let total = plan.total();
+    let others: u64 = plan
+        .components()
+        .iter()
+        .filter(|c| c.component != Component::RuntimeOverhead)
+        .map(|c| c.bytes.max)
+        .sum();
+    Ok(json!({
+        "plan_device_bytes": [total.min, total.max],
+        "inside_plan": (total.min..=total.max).contains(&used),
+        "residual_for_runtime_overhead_bytes": used as i64 - others as i64,
+    }))
+}
+
+/// `row` with the fields of `extra` (an object) added.
+fn with_fields(mut row: Value, extra: Value) -> Value {
+    if let (Some(r), Value::Object(e)) = (row.as_object_mut(), extra) {
+        r.extend(e);
+    }
+    row
+}
+
+/// " | device 2.02 GiB, plan 1.58–2.04 GiB: inside" for the progress lines (empty off the GPU).
+fn plan_note(row: &Value) -> String {
+    let gib = |v: &Value| v.as_f64().unwrap_or(0.0) / (1u64 << 30) as f64;
+    match (
+        row["device_used_bytes"].as_f64(),
+        row["inside_plan"].as_bool(),
+    ) {
+        (Some(used), Some(inside)) => format!(
+            " | device {:.2} GiB, plan {:.2}–{:.2} GiB: {}",
+            used / (1u64 << 30) as f64,
+            gib(&row["plan_device_bytes"][0]),
+            gib(&row["plan_device_bytes"][1]),
+            if inside { "inside" } else { "OUTSIDE" }
+        ),
+        _ => String::new(),
+    }
 }
 
 fn synchronize(device: &Device) -> Result<()> {
@@ -201,11 +268,22 @@ fn model_sweep(args: &Args, device: &Device, doc: &mut Value) -> Result<()> {
         let synth = SyntheticModel::new(shape.kind, 42, GroupSize::default())?;
         let mut full = synth.load(dtype, device, &synth.int4_experts())?;
         let reference = generate(&mut full, &PROMPT, args.sample_len, &[], argmax, |_| Ok(()))?;
+        let used = device_used_bytes(device);
         let row = json!({
             "model": name, "capacity": moe.experts, "cache": false, "prefetch": false,
             "hybrid": "off", "decode_tokens_per_s": reference.decode_tokens_per_s(),
-            "tokens_identical": true, "device_used_bytes": device_used_bytes(device),
+            "tokens_identical": true, "device_used_bytes": used,
         });
+        let row = with_fields(
+            row,
+            plan_vs_used(shape.kind, device, moe.experts, args.sample_len, used)?,
+        );
+        eprintln!(
+            "{name:9} C={:2} no cache                     {:6.2} tok/s{}",
+            moe.experts,
+            reference.decode_tokens_per_s().unwrap_or(0.0),
+            plan_note(&row)
+        );
         push(doc, row)?;
         drop(full);
         let caps: Vec<usize> = match args.quick {
@@ -259,13 +337,19 @@ fn model_sweep(args: &Args, device: &Device, doc: &mut Value) -> Result<()> {
                     "stall_s": s.stall_s, "peak_cache_bytes": res.peak_device_bytes(),
                     "device_used_bytes": device_used_bytes(device),
                 });
+                let used = row["device_used_bytes"].as_u64();
+                let row = with_fields(
+                    row,
+                    plan_vs_used(shape.kind, device, capacity, args.sample_len, used)?,
+                );
                 eprintln!(
-                    "{name:9} C={capacity:2} prefetch={prefetch:5} hybrid={:5} {:6.2} tok/s  hit {:5.1}%  h2d {:8.1} MB  same tokens: {}",
+                    "{name:9} C={capacity:2} prefetch={prefetch:5} hybrid={:5} {:6.2} tok/s  hit {:5.1}%  h2d {:8.1} MB  same tokens: {}{}",
                     row["hybrid"].as_str().unwrap_or(""),
                     g.decode_tokens_per_s().unwrap_or(0.0),
                     100.0 * s.hit_rate().unwrap_or(0.0),
                     s.h2d_bytes as f64 / 1e6,
-                    g.tokens == reference.tokens
+                    g.tokens == reference.tokens,
+                    plan_note(&row)
                 );
                 push(doc, row)?;
             }

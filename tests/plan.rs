@@ -114,13 +114,13 @@ fn olmoe_tiny_components_by_hand() {
     );
     assert_eq!(
         bytes(&plan, Component::RuntimeOverhead),
-        r(300 * MIB, 700 * MIB)
+        r(300 * MIB, 768 * MIB)
     );
     let total = plan.total();
     let sum: u64 = 1_651_200 + 608_256 + 524_288 + 101_376;
     assert_eq!(
         total,
-        r(sum + 884_736 + 300 * MIB, sum + 1_703_936 + 700 * MIB)
+        r(sum + 884_736 + 300 * MIB, sum + 1_703_936 + 768 * MIB)
     );
     // Host: all 16 experts' slabs, plus the pinned staging ring and the CUDA host baseline.
     assert_eq!(host(&plan, Component::PackSource), x(16 * OLMOE_SLAB));
@@ -452,7 +452,7 @@ fn budgets_parse() {
 
 /// The OLMoE tiny plan's maximum without the expert cache and staging, at ctx 256.
 fn olmoe_fixed_max() -> u64 {
-    1_651_200 + 524_288 + 1_703_936 + 700 * MIB
+    1_651_200 + 524_288 + 1_703_936 + 768 * MIB
 }
 
 fn exact_fit() -> FitOptions {
@@ -563,14 +563,14 @@ fn fit_refuses_naming_the_component() {
     );
     assert!(text.contains("--allow-ctx-reduction"), "{text}");
     // Runtime and weights fit, the KV cache does not.
-    let err = refuse(700 * MIB + 1_651_200 + 1000);
+    let err = refuse(768 * MIB + 1_651_200 + 1000);
     assert_eq!(
         does_not_fit(&err),
         Some((Component::KvCache, 524_288, 1000)),
         "{err}"
     );
     // Not even the weights fit: the message names them and what is missing.
-    let err = refuse(700 * MIB + 1000);
+    let err = refuse(768 * MIB + 1000);
     assert_eq!(
         does_not_fit(&err),
         Some((Component::NonExpertWeights, 1_651_200, 1000)),

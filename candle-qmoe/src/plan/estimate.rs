@@ -84,14 +84,18 @@ impl Target {
         }
     }
 
-    /// Memory the runtime takes besides the model. CUDA: context, cuBLAS handles and allocator
-    /// slack in device memory. CPU: the process baseline: from the binary and its libraries
-    /// alone (about 3 MiB measured) up to a tokenizer, allocator slack and, with a host-memory
-    /// expert cache, the one-off probe of the copy bandwidth (two 32 MiB buffers).
+    /// Memory the runtime takes besides the model. CUDA: context, cuBLAS handles, loaded kernels
+    /// and allocator slack in device memory; on an H200 (driver 580, CUDA 13.0) the device
+    /// memory in use beyond every other component's maximum was 695–748 MiB over 16 synthetic
+    /// OLMoE and Qwen1.5-MoE runs (`residency_sweep`), so the range ends at 768 MiB; smaller
+    /// GPUs keep smaller contexts, hence the 300 MiB floor. CPU: the process baseline: from the
+    /// binary and its libraries alone (about 3 MiB measured) up to a tokenizer, allocator slack
+    /// and, with a host-memory expert cache, the one-off probe of the copy bandwidth (two 32 MiB
+    /// buffers).
     pub fn runtime_overhead(self) -> ByteRange {
         match self {
             Self::Cpu => ByteRange::new(2 * MIB, 200 * MIB),
-            Self::Cuda => ByteRange::new(300 * MIB, 700 * MIB),
+            Self::Cuda => ByteRange::new(300 * MIB, 768 * MIB),
         }
     }
 
