@@ -208,12 +208,13 @@ run() {
     rc_sweep=$?
     tail -n 25 "$OUT/residency_sweep.log"
     # End to end: the benchmark contract, shrunk, on the synthetic models at 16 and 32 resident
-    # experts per layer and at full residency (decode tok/s, TTFT, peak device memory).
+    # experts per layer and at full residency (decode tok/s, TTFT, peak device memory), with the
+    # per-part tally of host time per token (`--profile`: decode is bound by the host there).
     echo "gpu-check: end to end (bench ${bench_models[*]}, ≤ ${QMOE_BENCH_TIMEOUT:-$t_bench} s in all)"
     local bench_end=$((SECONDS + ${QMOE_BENCH_TIMEOUT:-$t_bench}))
     for m in "${bench_models[@]}"; do
         timeout -k 10 $((bench_end - SECONDS > 1 ? bench_end - SECONDS : 1)) "$work/bench" \
-            --synthetic "$m" --sweep 16,32,all --prompts 2 --blocks 2 -n 32 --warmup 16 \
+            --synthetic "$m" --sweep 16,32,all --prompts 2 --blocks 2 -n 32 --warmup 16 --profile \
             --json "$OUT/bench-$m.json" >>"$OUT/bench.log" 2>&1
         rc=$?
         [ "$rc" -eq 0 ] || rc_bench=$rc

@@ -1,14 +1,16 @@
 //! The CPU kernels around the experts against f64 references on random inputs: the BF16
 //! matmul of the non-expert weights (on each instruction-set path), `DenseLinear`, and the
-//! fused attention over the in-place KV cache at short and 4096-token contexts.
+//! fused attention over the in-place KV cache at short and 4096-token contexts, and `RmsNorm` on
+//! half-precision activations.
 
 use candle::{DType, Device, Module, Tensor};
 use candle_qmoe::kernels::attention::{attend_with_isa, KvCache, KvDtype};
 use candle_qmoe::kernels::cpu::CpuIsa;
 use candle_qmoe::kernels::dense::{bf16_matmul, int8_matmul, Int8Matrix, INT8_GROUP};
+use candle_qmoe::models::layers::RmsNorm;
 use candle_qmoe::DenseLinear;
 use candle_qmoe_suite::testing::{isa_trials, Rng};
-use half::bf16;
+use half::{bf16, f16};
 use libtest_mimic::{Arguments, Trial};
 
 /// `(m, k, n)`: decode and small-M tiles, K with a tail that is not a multiple of 8, N not a
@@ -228,6 +230,66 @@ fn dense_linear_matches_candle_f32() {
     check_matmul(&unbiased, &x, &w, m, k, n, "portable DenseLinear");
 }
 
+/// `RmsNorm` on half-precision activations (F16 on the CPU: the path BF16 takes on a GPU)
+/// against transformers' arithmetic in f64: normalise, round to the dtype, multiply by the
+/// weight, round. The product of two F16 values is exact in F32, so the only source of a
+/// difference is the F32 normalisation (a few ulps of 2⁻²⁴) landing across an F16 rounding
+/// boundary (spacing 2⁻¹¹): expected in ~1e-4 of the elements, and then by one ulp.
+fn rms_norm_half_matches_f64() {
+    let dev = Device::Cpu;
+    let mut rng = Rng::new(11);
+    let (rows, size, eps) = (5, 2048, 1e-6);
+    let w: Vec<f16> = rng
+        .normals(size, 0.5)
+        .into_iter()
+        .map(|v| f16::from_f32(1.0 + v))
+        .collect();
+    let x: Vec<f16> = rng
+        .normals(rows * size, 1.0)
+        .into_iter()
+        .map(f16::from_f32)
+        .collect();
+    let vb = candle_nn::VarBuilder::from_tensors(
+        [(
+            "weight".to_string(),
+            Tensor::from_vec(w.clone(), size, &dev).unwrap(),
+        )]
+        .into(),
+        DType::F16,
+        &dev,
+    );
+    let norm = RmsNorm::new(size, eps, vb).unwrap();
+    let xt = Tensor::from_vec(x.clone(), (rows, size), &dev).unwrap();
+    let got = norm.forward(&xt).unwrap();
+    assert_eq!(got.dtype(), DType::F16);
+    let got = got.flatten_all().unwrap().to_vec1::<f16>().unwrap();
+    let mut off_by_one = 0;
+    for r in 0..rows {
+        let row = &x[r * size..(r + 1) * size];
+        let ms = row
+            .iter()
+            .map(|v| f64::from(v.to_f32()).powi(2))
+            .sum::<f64>()
+            / size as f64;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for (c, v) in row.iter().enumerate() {
+            let normed = f16::from_f64(f64::from(v.to_f32()) * inv);
+            let want = f16::from_f64(f64::from(normed.to_f32()) * f64::from(w[c].to_f32()));
+            let got = got[r * size + c];
+            if got != want {
+                let ulps =
+                    (i32::from(got.to_bits() as i16) - i32::from(want.to_bits() as i16)).abs();
+                assert!(ulps <= 1, "row {r} col {c}: {got} vs {want}");
+                off_by_one += 1;
+            }
+        }
+    }
+    assert!(
+        off_by_one * 1000 <= rows * size,
+        "{off_by_one} elements off by one ulp"
+    );
+}
+
 /// f64 causal attention of the last `s` of `len` positions: `q [s, heads, d]`,
 /// `k`, `v [len, kv_heads, d]` token-major.
 #[allow(clippy::too_many_arguments)]
@@ -426,6 +488,10 @@ fn main() {
     all.extend(isa_trials("dense_int8", stacked_int8_trials));
     all.push(Trial::test("dense_linear_matches_candle_f32", || {
         dense_linear_matches_candle_f32();
+        Ok(())
+    }));
+    all.push(Trial::test("rms_norm_half_matches_f64", || {
+        rms_norm_half_matches_f64();
         Ok(())
     }));
     all.extend(isa_trials("attention", attention_trials));

@@ -28,6 +28,10 @@ use crate::SparseMoe;
 #[derive(Clone, Debug)]
 pub struct RmsNorm {
     weight: Tensor,
+    /// F32 ones `[size]` on the weight's device: Candle's fused kernel normalises BF16/F16
+    /// activations in F32 with this as its weight, and `weight` is applied after the cast back
+    /// (4 kernels instead of 9 on a GPU, where each launch costs host time).
+    unit: Tensor,
     eps: f64,
 }
 
@@ -37,6 +41,7 @@ impl RmsNorm {
         let dtype = activation_dtype(vb.dtype(), vb.device());
         Ok(Self {
             weight: vb.get(size, "weight")?.to_dtype(dtype)?,
+            unit: Tensor::ones(size, DType::F32, vb.device())?,
             eps,
         })
     }
@@ -51,15 +56,15 @@ impl RmsNorm {
 
 impl Module for RmsNorm {
     fn forward(&self, xs: &Tensor) -> candle::Result<Tensor> {
+        let eps = self.eps as f32;
         if xs.dtype() == DType::F32 && xs.is_contiguous() {
             // Same result as the path below when nothing needs casting; one fused kernel.
-            return candle_nn::ops::rms_norm(xs, &self.weight, self.eps as f32);
+            return candle_nn::ops::rms_norm(xs, &self.weight, eps);
         }
         let dtype = xs.dtype();
-        let x = xs.to_dtype(DType::F32)?;
-        let var = x.sqr()?.mean_keepdim(D::Minus1)?;
-        let x = x.broadcast_mul(&(var + self.eps)?.sqrt()?.recip()?)?;
-        x.to_dtype(dtype)?.broadcast_mul(&self.weight)
+        let x = xs.to_dtype(DType::F32)?.contiguous()?;
+        let normed = candle_nn::ops::rms_norm(&x, &self.unit, eps)?;
+        normed.to_dtype(dtype)?.broadcast_mul(&self.weight)
     }
 }
 
