@@ -9,7 +9,9 @@
 //!    compared bit for bit.
 //! 3. Timings with CUDA events (warm-up, then the median of many runs, L2 flushed before each):
 //!    our decode and prefill paths against Candle's `moe_gemm` (BF16 WMMA) and `moe_gemm_gguf`
-//!    (Q4K) on the same routed problem, with the bytes each must move and the achieved GB/s.
+//!    (Q4K) on the same routed problem, with the bytes each must move and the achieved GB/s;
+//!    without `--quick`, a decode scan over the number of experts read (fixed cost and cost per
+//!    expert).
 //!
 //! Prints a table last and writes the JSON (device, driver, commit, every figure) to each
 //! `--json` path, after every section so a crash keeps what was measured.
@@ -495,6 +497,74 @@ fn routings(dev: &Device, m: Model, tokens: usize, n: usize, seed: u64) -> Resul
     Ok(r)
 }
 
+/// A decode call's time against the number of experts it reads.
+struct DecodeScan {
+    /// (experts routed, timing) per point.
+    points: Vec<(usize, Stats)>,
+    /// The points and the least-squares line through them.
+    json: Value,
+}
+
+/// Times a single-token decode call routed to 1, 2, 4 … k distinct experts (the same slabs,
+/// fresh routings) and fits `time = fixed + per_expert · experts`: a large fixed part means the
+/// call is bound by launches and pipeline latency, not by the bytes it reads.
+fn decode_scan(
+    dev: &Device,
+    m: Model,
+    experts: &DeviceExperts,
+    timer: &Timer,
+    runs: usize,
+    slab: usize,
+    copy_gbps: f64,
+) -> Result<DecodeScan> {
+    let mut points = Vec::new();
+    for k in [1, 2, 4, 8].into_iter().filter(|&k| k <= m.k) {
+        let rk = routings(dev, Model { k, ..m }, 1, 8, 91 + k as u64)?;
+        let n = rk.ids.len();
+        let st = timer.time(10, runs, |i| {
+            let j = i % n;
+            experts.forward_tensors(
+                &rk.x_bf16[j],
+                &rk.ids[j],
+                &rk.w[j],
+                CudaPath::Decode,
+                false,
+            )?;
+            Ok(())
+        })?;
+        points.push((k, st));
+    }
+    let n = points.len() as f64;
+    let mean_x = points.iter().map(|(k, _)| *k as f64).sum::<f64>() / n;
+    let mean_y = points.iter().map(|(_, s)| s.median_us).sum::<f64>() / n;
+    let sxy: f64 = points
+        .iter()
+        .map(|(k, s)| (*k as f64 - mean_x) * (s.median_us - mean_y))
+        .sum();
+    let sxx: f64 = points
+        .iter()
+        .map(|(k, _)| (*k as f64 - mean_x).powi(2))
+        .sum();
+    let per_expert = sxy / sxx;
+    let fixed = mean_y - per_expert * mean_x;
+    let marginal_gbps = slab as f64 / (per_expert * 1e-6) / 1e9;
+    eprintln!(
+        "{} decode scan: {fixed:.1} us fixed + {per_expert:.2} us per expert ({marginal_gbps:.0} GB/s marginal, {:.0}% of copy)",
+        m.name,
+        100.0 * marginal_gbps / copy_gbps
+    );
+    let json = json!({
+        "model": m.name,
+        "tokens": 1,
+        "slab_bytes": slab,
+        "points": points.iter().map(|(k, s)| json!({"experts": k, "median_us": s.median_us, "p10_us": s.p10_us, "p90_us": s.p90_us})).collect::<Vec<_>>(),
+        "fixed_us": fixed,
+        "us_per_expert": per_expert,
+        "marginal_gb_per_s": marginal_gbps,
+    });
+    Ok(DecodeScan { points, json })
+}
+
 struct Row {
     model: &'static str,
     tokens: usize,
@@ -628,6 +698,7 @@ fn main() -> Result<()> {
     // 3. Timings.
     let mut rows: Vec<Row> = Vec::new();
     let mut timings = Vec::new();
+    let mut decode_scans = Vec::new();
     let tset: &[usize] = if args.quick {
         &[1, 512]
     } else {
@@ -660,6 +731,25 @@ fn main() -> Result<()> {
                 }
             }
         };
+        if !args.quick {
+            let scan = decode_scan(&dev, m, &experts, &timer, args.iters, slab, copy_gbps)?;
+            for (k, st) in &scan.points {
+                let gbps = *k as f64 * slab as f64 / (st.median_us * 1e-6) / 1e9;
+                rows.push(Row {
+                    model: m.name,
+                    tokens: 1,
+                    name: format!("qmoe_int4_decode_{k}of{}", m.k),
+                    us: Some(st.median_us),
+                    gbps: Some(gbps),
+                    pct_bw: Some(100.0 * gbps / copy_gbps),
+                    note: "top-k scan".into(),
+                    valid: true,
+                });
+            }
+            decode_scans.push(scan.json);
+            report.doc["decode_scans"] = json!(decode_scans);
+            report.save();
+        }
         for &tokens in tset {
             let rt = routings(&dev, m, tokens, 8, 77 + tokens as u64)?;
             let runs = if tokens <= 16 {
@@ -803,7 +893,10 @@ fn main() -> Result<()> {
     };
     let ratio = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| b / a);
     let dec = find("olmoe", 1, "qmoe_int4_decode");
+    let olmoe_scan = decode_scans.iter().find(|s| s["model"] == "olmoe");
     let summary = json!({
+        "olmoe_t1_decode_fixed_us": olmoe_scan.map(|s| s["fixed_us"].clone()),
+        "olmoe_t1_decode_us_per_expert": olmoe_scan.map(|s| s["us_per_expert"].clone()),
         "copy_gbps": copy_gbps,
         "olmoe_t1_decode_us": dec,
         "olmoe_t1_decode_pct_copy_bw": rows.iter().find(|r| r.model == "olmoe" && r.tokens == 1 && r.name == "qmoe_int4_decode").and_then(|r| r.pct_bw),
