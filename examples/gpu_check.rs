@@ -892,6 +892,7 @@ fn main() -> Result<()> {
         drop(base);
     }
 
+    report.doc["decode_scans"] = json!(decode_scans);
     // 4. Summary against the targets.
     // The fastest valid row of an implementation (Candle's baselines may have two paths).
     let find = |model: &str, t: usize, name: &str| {
