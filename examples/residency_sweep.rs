@@ -23,7 +23,6 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use candle::{Device, Tensor};
 use candle_qmoe::generation::{argmax, generate};
-use candle_qmoe::models::{AnyConfig, ModelConfig};
 use candle_qmoe::pack::GroupSize;
 use candle_qmoe::plan::{Component, Plan, PlanOptions, Target};
 use candle_qmoe::residency::{HybridMode, PolicyKind, Residency, ResidencyOptions, Resident};
@@ -103,7 +102,7 @@ fn plan_vs_used(
     let Some(used) = used else {
         return Ok(json!({}));
     };
-    let spec = AnyConfig::from_json_str(&kind.config_json().to_string())?.spec()?;
+    let spec = kind.spec()?;
     let options = PlanOptions {
         ctx: Some(PROMPT.len() + sample_len),
         prefill_chunk: PROMPT.len(),

@@ -15,7 +15,6 @@ use std::time::Instant;
 use anyhow::{bail, ensure, Context, Result};
 use candle::Device;
 use candle_qmoe::generation::{argmax, generate};
-use candle_qmoe::models::{AnyConfig, ModelConfig};
 use candle_qmoe::pack::GroupSize;
 use candle_qmoe::plan::{
     format_bytes, ByteRange, Component, ExpertStorage, Plan, PlanOptions, Target,
@@ -134,7 +133,7 @@ impl Config {
     /// batch 1, prefill in the chunks `generate` uses, and the cache's residency with the
     /// runtime's default staging ring (no cache: full residency).
     pub fn plan(&self) -> Result<Plan> {
-        let spec = AnyConfig::from_json_str(&self.kind.config_json().to_string())?.spec()?;
+        let spec = self.kind.spec()?;
         let options = PlanOptions {
             dtype: Target::Cpu.default_dtype(),
             experts: ExpertStorage::Int4(GroupSize::default()),

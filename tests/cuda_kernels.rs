@@ -23,6 +23,8 @@
 
 use std::sync::Arc;
 
+use candle::cuda_backend::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use candle::cuda_backend::cudarc::driver::{CudaGraph, CudaStream};
 use candle::{DType, Device, Module, Tensor};
 use candle_qmoe::kernels::cuda::{CudaPath, DeviceExperts, PREFILL_PASS_TOKENS};
 use candle_qmoe::pack::{ExpertLayout, GroupSize};
@@ -483,9 +485,6 @@ fn ptx_checks() -> Result<(), Failed> {
 /// replayed on two new inputs written into the captured input buffer: each replay must give
 /// the bits of an eager call on that input.
 fn run_graph_capture(seed: u64) -> Result<(), Failed> {
-    use candle::cuda_backend::cudarc::driver::sys::{
-        CUgraphInstantiate_flags, CUstreamCaptureMode,
-    };
     // A device of its own: no second stream on its context, so cudarc records no events.
     let dev = Device::new_cuda(0)?;
     let (hidden, inter, experts, k) = (2048, 1024, 64, 8);
@@ -520,13 +519,9 @@ fn run_graph_capture(seed: u64) -> Result<(), Failed> {
     let out = moe.forward(&x)?.zeros_like()?; // the eager call uploads the slabs, loads modules
     let stream = dev.as_cuda_device()?.cuda_stream();
     stream.synchronize().map_err(|e| format!("{e:?}"))?;
-    stream
-        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-        .map_err(|e| format!("begin capture: {e:?}"))?;
-    let captured = moe.forward(&x).and_then(|y| out.slice_set(&y, 0, 0));
-    let graph = stream
-        .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
-        .map_err(|e| format!("end capture (a host synchronisation inside?): {e:?}"))?;
+    let (captured, graph) = capture(&stream, || {
+        moe.forward(&x).and_then(|y| out.slice_set(&y, 0, 0))
+    })?;
     if let Err(e) = captured {
         let stages = capture_stages(&stream, k, &router, experts.as_ref(), &x, &out);
         return Err(format!("the captured decode step failed: {e}; {stages}").into());
@@ -550,34 +545,42 @@ fn run_graph_capture(seed: u64) -> Result<(), Failed> {
     Ok(())
 }
 
+/// Runs `f` while `stream` is captured into a CUDA graph (relaxed mode; the graph frees its
+/// allocations when launched): `f`'s result and the graph, or why the capture itself failed.
+fn capture<R>(
+    stream: &Arc<CudaStream>,
+    f: impl FnOnce() -> candle::Result<R>,
+) -> Result<(candle::Result<R>, Option<CudaGraph>), String> {
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .map_err(|e| format!("begin capture: {e:?}"))?;
+    let result = f();
+    let graph = stream
+        .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+        .map_err(|e| format!("end capture (a host synchronisation inside?): {e:?}"))?;
+    Ok((result, graph))
+}
+
 /// Which stage of a decode step fails when captured alone: each stage's inputs are computed
 /// eagerly, then the stage runs inside a capture of its own ("name: ok" or "name: error").
 fn capture_stages(
-    stream: &Arc<candle::cuda_backend::cudarc::driver::CudaStream>,
+    stream: &Arc<CudaStream>,
     k: usize,
     router: &Tensor,
     experts: &dyn RoutedExperts,
     x: &Tensor,
     out: &Tensor,
 ) -> String {
-    use candle::cuda_backend::cudarc::driver::sys::{
-        CUgraphInstantiate_flags, CUstreamCaptureMode,
-    };
     use candle::D;
-    let capture = |f: &dyn Fn() -> candle::Result<()>| -> String {
-        if let Err(e) = stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED) {
-            return format!("begin capture: {e:?}");
-        }
-        let r = f();
-        let g = stream
-            .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+    let capture_alone = |f: &dyn Fn() -> candle::Result<()>| -> String {
+        let captured = capture(stream, f);
         // An error recorded by a drop inside the capture surfaces at the next call.
         let after = stream.synchronize();
-        match (r, g, after) {
-            (Err(e), ..) => format!("{e}"),
-            (Ok(()), Err(e), _) => format!("end capture: {e:?}"),
-            (Ok(()), Ok(_), Err(e)) => format!("after: {e:?}"),
-            (Ok(()), Ok(_), Ok(())) => "ok".into(),
+        match (captured, after) {
+            (Err(why), _) => why,
+            (Ok((Err(e), _)), _) => format!("{e}"),
+            (Ok((Ok(()), _)), Err(e)) => format!("after: {e:?}"),
+            (Ok((Ok(()), _)), Ok(())) => "ok".into(),
         }
     };
     let eager = || -> candle::Result<_> {
@@ -611,7 +614,7 @@ fn capture_stages(
     ];
     let report: Vec<String> = stages
         .iter()
-        .map(|(name, f)| format!("{name}: {}", capture(*f)))
+        .map(|(name, f)| format!("{name}: {}", capture_alone(*f)))
         .collect();
     format!("stages captured alone: {}", report.join("; "))
 }

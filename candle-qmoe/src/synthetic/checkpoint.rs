@@ -26,7 +26,7 @@ use super::{
     SyntheticKind,
 };
 use crate::models::checkpoint::{INDEX_FILE, SINGLE_FILE};
-use crate::models::{AnyConfig, ModelConfig, MoeNames};
+use crate::models::MoeNames;
 use crate::pack::{ExpertLayout, GroupSize, SlabView};
 use crate::safetensors_writer::{SafetensorsWriter, TensorSpec};
 use crate::QmoeError;
@@ -78,7 +78,7 @@ struct Plan {
 
 impl Plan {
     fn new(kind: SyntheticKind) -> crate::Result<Self> {
-        let spec = AnyConfig::from_json_str(&kind.config_json().to_string())?.spec()?;
+        let spec = kind.spec()?;
         let moe = spec.uniform_moe()?.clone();
         let layout = ExpertLayout {
             hidden: spec.hidden_size,
