@@ -731,31 +731,30 @@ fn main() -> Result<()> {
                 }
             }
         };
-        // Not yet run on a GPU: a failure is recorded and the timings go on.
-        let scan = match args.quick {
-            true => None,
-            false => decode_scan(&dev, m, &experts, &timer, args.iters, slab, copy_gbps)
-                .inspect_err(|e| {
+        // A failure is recorded and the timings go on.
+        if !args.quick {
+            match decode_scan(&dev, m, &experts, &timer, args.iters, slab, copy_gbps) {
+                Ok(scan) => {
+                    for (k, st) in &scan.points {
+                        let gbps = *k as f64 * slab as f64 / (st.median_us * 1e-6) / 1e9;
+                        rows.push(Row {
+                            model: m.name,
+                            tokens: 1,
+                            name: format!("qmoe_int4_decode_{k}of{}", m.k),
+                            us: Some(st.median_us),
+                            gbps: Some(gbps),
+                            pct_bw: Some(100.0 * gbps / copy_gbps),
+                            note: "top-k scan".into(),
+                            valid: true,
+                        });
+                    }
+                    decode_scans.push(scan.json);
+                }
+                Err(e) => {
                     eprintln!("{} decode scan failed: {e:#}", m.name);
                     decode_scans.push(json!({"model": m.name, "error": format!("{e:#}")}));
-                })
-                .ok(),
-        };
-        if let Some(scan) = scan {
-            for (k, st) in &scan.points {
-                let gbps = *k as f64 * slab as f64 / (st.median_us * 1e-6) / 1e9;
-                rows.push(Row {
-                    model: m.name,
-                    tokens: 1,
-                    name: format!("qmoe_int4_decode_{k}of{}", m.k),
-                    us: Some(st.median_us),
-                    gbps: Some(gbps),
-                    pct_bw: Some(100.0 * gbps / copy_gbps),
-                    note: "top-k scan".into(),
-                    valid: true,
-                });
+                }
             }
-            decode_scans.push(scan.json);
             report.doc["decode_scans"] = json!(decode_scans);
             report.save();
         }
@@ -892,7 +891,6 @@ fn main() -> Result<()> {
         drop(base);
     }
 
-    report.doc["decode_scans"] = json!(decode_scans);
     // 4. Summary against the targets.
     // The fastest valid row of an implementation (Candle's baselines may have two paths).
     let find = |model: &str, t: usize, name: &str| {

@@ -135,18 +135,15 @@ fn with_fields(mut row: Value, extra: Value) -> Value {
 /// " | device 2.02 GiB, plan 1.58–2.04 GiB: inside" for the progress lines (empty off the GPU).
 fn plan_note(row: &Value) -> String {
     let gib = |v: &Value| v.as_f64().unwrap_or(0.0) / (1u64 << 30) as f64;
-    match (
-        row["device_used_bytes"].as_f64(),
-        row["inside_plan"].as_bool(),
-    ) {
-        (Some(used), Some(inside)) => format!(
+    match row["inside_plan"].as_bool() {
+        Some(inside) => format!(
             " | device {:.2} GiB, plan {:.2}–{:.2} GiB: {}",
-            used / (1u64 << 30) as f64,
+            gib(&row["device_used_bytes"]),
             gib(&row["plan_device_bytes"][0]),
             gib(&row["plan_device_bytes"][1]),
             if inside { "inside" } else { "OUTSIDE" }
         ),
-        _ => String::new(),
+        None => String::new(),
     }
 }
 
