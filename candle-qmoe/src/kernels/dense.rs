@@ -481,28 +481,43 @@ pub fn int8_matmul(isa: CpuIsa, x: &[f32], m: usize, w: &Int8Matrix) -> Vec<f32>
     let acts = Int8Acts::new(isa, x, m, w.cols);
     let (n, padded) = (w.rows, acts.padded);
     let groups = padded / INT8_GROUP;
-    // A tile is `tile_rows` weight rows × up to INT8_TOKENS activation rows: at decode four
-    // weight rows share each activation load, otherwise each weight row feeds four tokens.
-    let tile_rows = if m == 1 { 4 } else { 1 };
+    // A tile is DECODE_TILE_ROWS weight rows sharing each activation load at decode (m = 1),
+    // otherwise one weight row feeding up to INT8_TOKENS tokens.
     let mut yt = vec![0f32; n * m];
     yt.par_chunks_mut(ROW_BLOCK * m)
         .enumerate()
         .for_each(|(b, out)| {
-            for (i, o) in out.chunks_mut(tile_rows * m).enumerate() {
-                let r = b * ROW_BLOCK + i * tile_rows;
-                let nr = o.len() / m;
-                let weights = Int8Rows {
-                    q: &w.q[r * padded..(r + nr) * padded],
-                    scales: &w.scales[r * groups..(r + nr) * groups],
-                    groups,
-                };
+            let (r0, nr) = (b * ROW_BLOCK, out.len() / m);
+            // `rows` rows `spacing` apart from row `first` of the block.
+            let rows_at = |first: usize, rows: usize, spacing: usize| Int8Rows {
+                q: &w.q[(r0 + first) * padded..(r0 + nr) * padded],
+                scales: &w.scales[(r0 + first) * groups..(r0 + nr) * groups],
+                groups,
+                rows,
+                spacing,
+            };
+            if m == 1 {
+                // Tile `i` takes rows `i + j · tiles` of the block: sequential streams.
+                let tiles = nr / DECODE_TILE_ROWS;
+                let x = [acts.row(0)];
+                for i in 0..tiles {
+                    let w = rows_at(i, DECODE_TILE_ROWS, tiles);
+                    int8_dots(isa, &w, &x, &mut out[i..], tiles);
+                }
+                for r in tiles * DECODE_TILE_ROWS..nr {
+                    int8_dots(isa, &rows_at(r, 1, 1), &x, &mut out[r..], 1);
+                }
+                return;
+            }
+            for r in 0..nr {
+                let (w, o) = (rows_at(r, 1, 1), &mut out[r * m..]);
                 for t0 in (0..m).step_by(INT8_TOKENS) {
                     let mut rows = [ActRow::default(); INT8_TOKENS];
                     let nt = (m - t0).min(INT8_TOKENS);
                     for (j, row) in rows.iter_mut().take(nt).enumerate() {
                         *row = acts.row(t0 + j);
                     }
-                    int8_dots(isa, &weights, &rows[..nt], &mut o[t0..], m);
+                    int8_dots(isa, &w, &rows[..nt], &mut o[t0..], m);
                 }
             }
         });
@@ -512,16 +527,39 @@ pub fn int8_matmul(isa: CpuIsa, x: &[f32], m: usize, w: &Int8Matrix) -> Vec<f32>
 /// Activation rows sharing one pass over INT8 weight rows.
 const INT8_TOKENS: usize = 4;
 
-/// Consecutive rows of an [`Int8Matrix`].
+/// Weight rows per decode tile of [`int8_matmul`].
+const DECODE_TILE_ROWS: usize = 4;
+
+/// How many rows ahead a decode tile's row prefetches its stream. A decode tile's rows lie a
+/// quarter of the task's block apart, so that each is a sequential stream; adjacent rows
+/// interleave their 64-byte lines within a page, which the hardware prefetcher follows worse.
+/// 16 layers of OLMoE's INT8 attention projections and its INT8 head at M = 1 on 2 threads of
+/// a Zen 4 EPYC (3 runs of a scratch A/B alternating in one process): 9.5–9.7 ms per token
+/// against 10.6–11.1 for adjacent rows (the head alone 44–45 GB/s against 37–42); 1 and 4
+/// rows ahead 9.8–10.0 ms.
+const SPLIT_PREFETCH_ROWS: usize = 2;
+
+/// Rows of an [`Int8Matrix`] that one tile reads: `rows` rows, `spacing` matrix rows apart,
+/// from the start of `q` and `scales`.
 struct Int8Rows<'a> {
     q: &'a [i8],
     scales: &'a [half::f16],
     groups: usize,
+    rows: usize,
+    spacing: usize,
 }
 
 impl Int8Rows<'_> {
     fn len(&self) -> usize {
-        self.scales.len() / self.groups.max(1)
+        self.rows
+    }
+    /// The index in `q` of group `g` of tile row `r`.
+    fn q_at(&self, r: usize, g: usize) -> usize {
+        (r * self.spacing * self.groups + g) * INT8_GROUP
+    }
+    /// The index in `scales` of group `g` of tile row `r`.
+    fn scale_at(&self, r: usize, g: usize) -> usize {
+        r * self.spacing * self.groups + g
     }
 }
 
@@ -539,8 +577,8 @@ fn int8_dots(isa: CpuIsa, w: &Int8Rows, rows: &[ActRow], out: &mut [f32], stride
         _ => {
             let padded = w.groups * INT8_GROUP;
             for r in 0..w.len() {
-                let wq = &w.q[r * padded..(r + 1) * padded];
-                let ws = &w.scales[r * w.groups..(r + 1) * w.groups];
+                let wq = &w.q[w.q_at(r, 0)..][..padded];
+                let ws = &w.scales[w.scale_at(r, 0)..][..w.groups];
                 for (j, row) in rows.iter().enumerate() {
                     out[r * stride + j] = wq
                         .chunks_exact(INT8_GROUP)
@@ -566,21 +604,23 @@ fn int8_dots(isa: CpuIsa, w: &Int8Rows, rows: &[ActRow], out: &mut [f32], stride
 /// depend on the tile it was computed in. Scales are handled 8 groups at a time (one F16C
 /// conversion per weight row, one multiply per weight row and token), then moved to the lanes
 /// of each group by one permute (AVX-512) or broadcast from memory (AVX2). Decode tiles take 4
-/// weight rows, each prefetching its place in the next tile: with the weights streamed from
-/// DRAM on a 2-core Xeon, 1- or 2-row tiles and no prefetch were slower, 8 rows no faster.
+/// weight rows (with the weights streamed from DRAM on a 2-core Xeon, 1- or 2-row tiles and no
+/// prefetch were slower, 8 rows no faster), each a quarter of its task's block apart and
+/// prefetching its own stream [`SPLIT_PREFETCH_ROWS`] ahead.
 #[cfg(target_arch = "x86_64")]
 mod x86_int8 {
     use std::arch::x86_64::*;
 
     use crate::kernels::x86_simd::hsum256;
 
-    use super::{ActRow, Int8Rows, INT8_GROUP};
+    use super::{ActRow, Int8Rows, INT8_GROUP, SPLIT_PREFETCH_ROWS};
 
     /// Checks that the weight rows and `rows` hold whole groups (and their offsets when
     /// `offsets`) and `out` every output.
     fn check(w: &Int8Rows, rows: &[ActRow], out: &[f32], stride: usize, offsets: bool) {
         let (groups, n) = (w.groups, w.len());
-        assert!(w.q.len() >= n * groups * INT8_GROUP && w.scales.len() == n * groups);
+        assert!(n >= 1 && w.q.len() >= w.q_at(n - 1, groups));
+        assert!(w.scales.len() >= w.scale_at(n - 1, groups));
         assert!(n >= 1 && !rows.is_empty() && rows.len() <= stride);
         assert!(out.len() >= (n - 1) * stride + rows.len());
         for r in rows {
@@ -591,8 +631,10 @@ mod x86_int8 {
         }
     }
 
-    /// Prefetches the line `R` rows after byte `at` of a tile of `R` rows: the same place in
-    /// the same row of the next tile, which the kernel reads one tile's time later. (A fixed
+    /// Prefetches the line of `w`'s stream that the kernel reads later at the place of byte
+    /// `at`: [`SPLIT_PREFETCH_ROWS`] rows ahead in a decode tile's rows (spaced apart), else
+    /// `R` rows ahead, the same place in the same row of the next tile of `R` adjacent rows,
+    /// which the kernel reads one tile's time later. (A fixed
     /// distance ahead of each row, such as 4 KiB, lands in a row of the current tile — already
     /// loaded — for all but the last rows, and the next tile's other rows then arrive late:
     /// 200 MB of 2048 × 2048 INT8 matrices at M = 1 read 11–13 GB/s on AVX2 that way against
@@ -602,7 +644,14 @@ mod x86_int8 {
     /// Never faults, past the end of the matrix too.
     #[inline(always)]
     fn prefetch_next_tile<const R: usize>(w: &Int8Rows, at: usize) {
-        let ahead = w.q.as_ptr().wrapping_add(at + R * w.groups * INT8_GROUP);
+        let rows_ahead = if w.spacing == 1 {
+            R
+        } else {
+            SPLIT_PREFETCH_ROWS
+        };
+        let ahead =
+            w.q.as_ptr()
+                .wrapping_add(at + rows_ahead * w.groups * INT8_GROUP);
         crate::kernels::x86_simd::prefetch_l2(ahead as *const u8);
     }
 
@@ -631,7 +680,7 @@ mod x86_int8 {
             };
         }
         for (r, s) in s.iter_mut().enumerate() {
-            let first = w.scales.as_ptr().add(r * w.groups + g0);
+            let first = w.scales.as_ptr().add(w.scale_at(r, g0));
             let sw = if n == 8 {
                 _mm256_cvtph_ps(_mm_loadu_si128(first as *const __m128i))
             } else {
@@ -680,7 +729,7 @@ mod x86_int8 {
             }
         });
         for r in 0..R {
-            let at = (r * w.groups + g) * INT8_GROUP;
+            let at = w.q_at(r, g);
             if i % 2 == 0 {
                 // One prefetch per 64-byte line, as on AVX-512.
                 prefetch_next_tile::<R>(w, at);
@@ -788,7 +837,7 @@ mod x86_int8 {
             _mm512_loadu_si512(rows[t].q.as_ptr().add(g * INT8_GROUP) as *const _)
         });
         for r in 0..R {
-            let at = (r * w.groups + g) * INT8_GROUP;
+            let at = w.q_at(r, g);
             prefetch_next_tile::<R>(w, at);
             let wv = _mm512_loadu_si512(w.q.as_ptr().add(at) as *const _);
             let wv = _mm512_xor_si512(wv, _mm512_set1_epi8(i8::MIN));
@@ -817,7 +866,7 @@ mod x86_int8 {
     ) {
         let lane = _mm256_set1_epi32(i as i32);
         for r in 0..R {
-            let at = (r * w.groups + g) * INT8_GROUP;
+            let at = w.q_at(r, g);
             let wv = _mm256_loadu_si256(w.q.as_ptr().add(at) as *const __m256i);
             let wv = _mm256_xor_si256(wv, _mm256_set1_epi8(i8::MIN));
             for t in 0..T {
