@@ -9,7 +9,10 @@
 //! holds few of them (the JSON gives `int4_working_set_bytes` next to `llc_bytes`). The order of
 //! the backends rotates by one each iteration, so every backend is timed equally often after
 //! each of the others. Calls come from a pool thread, and the INT4 backends' bursts run with
-//! rayon's workers kept awake, as a model's forward pass runs them.
+//! rayon's workers kept awake, as a model's forward pass runs them. Alongside them,
+//! `experts_read` only reads each call's expert slabs (the same bytes, no arithmetic): what this
+//! machine's memory delivers in the same minutes, which on a shared host can differ 2× from
+//! the read probe taken at the end.
 //!
 //! ```text
 //! cargo run --release --example layer_bench -- --shape olmoe --tokens 1
@@ -245,8 +248,13 @@ fn main() -> Result<()> {
     drop((deq, rtn));
 
     let one = |e: Box<dyn RoutedExperts>| -> Layers { vec![e] };
+    let reads: Layers = packs
+        .iter()
+        .map(|p| Box::new(ExpertsRead(p.clone())) as Box<dyn RoutedExperts>)
+        .collect();
     let mut backends: Vec<(String, Layers)> = vec![
         ("int4".into(), int4_layers(&Int4Experts::new)),
+        (EXPERTS_READ.into(), reads),
         ("dense_f32".into(), one(Box::new(f32_experts))),
         ("dense_bf16".into(), one(Box::new(bf16_experts))),
         ("candle_q4_0".into(), one(Box::new(q4_0))),
@@ -293,7 +301,7 @@ fn main() -> Result<()> {
                 // worker's wake-up went into every parallel op (one OLMoE layer on 2 threads:
                 // 1.17 ms against 1.07–1.08). Candle's backends use their own pool, which spins
                 // between ops by itself: polling rayon workers would only take its cores.
-                let ms = if backends[b].0.starts_with("int4") {
+                let ms = if backends[b].0.starts_with("int4") || backends[b].0 == EXPERTS_READ {
                     candle_qmoe::pool::with_workers_awake(|| run_burst(&mut call))?
                 } else {
                     run_burst(&mut call)?
@@ -354,6 +362,9 @@ fn main() -> Result<()> {
         "bytes_moved": bytes_moved, "gb_per_s": gb_per_s,
         "read_gb_per_s": read_gb_per_s, "copy_gb_per_s": copy_gb_per_s,
         "fraction_of_read_bw": gb_per_s / read_gb_per_s,
+        "experts_read_ms": get(EXPERTS_READ),
+        "experts_read_gb_per_s": get(EXPERTS_READ).map(|r| bytes_moved / (r * 1e-3) / 1e9),
+        "fraction_of_experts_read": get(EXPERTS_READ).map(|r| r / ms[0]),
         "quantize_s": quantize_s,
     });
     // The memory each call reads from (outside the `json!` above: its recursion limit).
@@ -377,4 +388,40 @@ fn main() -> Result<()> {
         writeln!(f, "{line}")?;
     }
     Ok(())
+}
+
+/// The backend that only reads the routed experts' slabs.
+const EXPERTS_READ: &str = "experts_read";
+
+/// Reads the slabs of a call's distinct experts (an XOR fold of 64 KiB pieces on rayon's pool)
+/// and returns zeros: the bytes an INT4 call moves, without its arithmetic.
+struct ExpertsRead(LayerPack);
+
+impl RoutedExperts for ExpertsRead {
+    fn num_experts(&self) -> usize {
+        self.0.num_experts()
+    }
+    fn hidden_size(&self) -> usize {
+        self.0.layout().hidden
+    }
+    fn bytes_per_expert(&self) -> usize {
+        self.0.layout().slab_bytes()
+    }
+    fn forward(&self, xs: &Tensor, expert_ids: &Tensor, _: &Tensor) -> candle::Result<Tensor> {
+        use rayon::prelude::*;
+        let mut experts = expert_ids.flatten_all()?.to_vec1::<u32>()?;
+        experts.sort_unstable();
+        experts.dedup();
+        let fold = experts
+            .par_iter()
+            .flat_map(|&e| self.0.slab(e as usize).bytes.par_chunks(1 << 16))
+            .map(|piece| {
+                piece.chunks_exact(8).fold(0u64, |a, b| {
+                    a ^ u64::from_le_bytes(b.try_into().expect("8 bytes"))
+                })
+            })
+            .reduce(|| 0, |a, b| a ^ b);
+        std::hint::black_box(fold);
+        xs.zeros_like()
+    }
 }

@@ -3,6 +3,7 @@
 //! one shrunk campaign end to end on the synthetic tiny model.
 
 use candle::DType;
+use candle_qmoe::kernels::cpu::DecodeActivations;
 use candle_qmoe::residency::ResidencyStats;
 use candle_qmoe_suite::model::ModelArgs;
 use candle_qmoe_suite::perf::{
@@ -179,6 +180,29 @@ fn tiny(resident: &str) -> ModelArgs {
     ])
     .unwrap()
     .model
+}
+
+/// `--dense-weights int8` computes the experts' decode with `i8` activations unless
+/// `--decode-acts` (or `QMOE_DECODE_ACTS`) chooses; other dense weights leave the choice alone.
+#[test]
+fn int8_dense_weights_take_i8_decode_activations() {
+    let acts = |flags: &[&str]| {
+        let args = ["bench", "--synthetic", "tiny", "--cpu"];
+        let cli = Cli::try_parse_from(args.iter().chain(flags)).unwrap();
+        cli.model.decode_activations()
+    };
+    let env_set = std::env::var_os(DecodeActivations::ENV).is_some();
+    let int8 = (!env_set).then_some(DecodeActivations::I8);
+    assert_eq!(acts(&["--dense-weights", "int8"]), int8);
+    assert_eq!(acts(&[]), None);
+    assert_eq!(acts(&["--dense-weights", "bf16"]), None);
+    for (flag, want) in [
+        ("i16", DecodeActivations::I16),
+        ("i8", DecodeActivations::I8),
+    ] {
+        let got = acts(&["--dense-weights", "int8", "--decode-acts", flag]);
+        assert_eq!(got, Some(want));
+    }
 }
 
 #[test]

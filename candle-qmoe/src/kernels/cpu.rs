@@ -75,6 +75,10 @@ impl std::str::FromStr for DecodeActivations {
 static DECODE_ACTIVATIONS: AtomicU8 = AtomicU8::new(0);
 
 impl DecodeActivations {
+    /// The environment variable that chooses the process-wide activations when nothing has
+    /// set them ([`DecodeActivations::current`]).
+    pub const ENV: &'static str = "QMOE_DECODE_ACTS";
+
     /// The name `--decode-acts` and `QMOE_DECODE_ACTS` take: `i16` or `i8`.
     pub fn name(self) -> &'static str {
         match self {
@@ -97,7 +101,7 @@ impl DecodeActivations {
             2 => Self::I8,
             _ => {
                 static FROM_ENV: OnceLock<DecodeActivations> = OnceLock::new();
-                *FROM_ENV.get_or_init(|| match std::env::var("QMOE_DECODE_ACTS") {
+                *FROM_ENV.get_or_init(|| match std::env::var(Self::ENV) {
                     Err(_) => Self::I16,
                     Ok(name) => Self::from_name(&name).unwrap_or_else(|| {
                         eprintln!("QMOE_DECODE_ACTS={name} is not one of i16, i8; using i16");
