@@ -337,11 +337,7 @@ impl ModelArgs {
         if self.dense_weights == Some(DenseWeights::Int8) {
             loaded.model.quantize_dense_int8()?;
         }
-        // `--dense-weights int8` is 8-bit arithmetic throughout, as llama.cpp's formats: its
-        // decode activations are `i8` too unless `--decode-acts` or the environment says.
-        let int8 = self.dense_weights == Some(DenseWeights::Int8)
-            && std::env::var_os(DecodeActivations::ENV).is_none();
-        if let Some(acts) = self.decode_acts.or(int8.then_some(DecodeActivations::I8)) {
+        if let Some(acts) = self.decode_activations() {
             acts.set_current();
         }
         if self.profile {

@@ -239,9 +239,9 @@ trait ActInt: Copy + Default + Send + Sync + Into<i32> {
     /// Whether a decode tile's weight rows come from separate runs of the rows a task
     /// computes (`tile_block!`): a sequential stream per row, which the hardware prefetcher
     /// follows, instead of adjacent rows, whose 64-byte blocks alternate within a page. One
-    /// OLMoE layer at T = 1 on 2 threads of a Zen 4 EPYC (`layer_bench`, side by side with a
-    /// plain read of the same experts): 0.63–0.79 ms against 0.82–0.89 with `i8`
-    /// activations; 2% slower with `i16`'s, whose larger tile works from more registers.
+    /// OLMoE layer at T = 1 on 2 threads of a Zen 4 EPYC (`layer_bench`, binaries
+    /// alternating, 5 pairs): 0.83–0.89 ms against 0.97–1.12 with `i8` activations; with
+    /// `i16`'s about 2% slower than adjacent rows (scratch build), so those stay adjacent.
     const SPLIT_DECODE_TILES: bool;
     /// Folds one chunk of quantized activations in place if [`ActInt::FOLDED`].
     fn fold(chunk: &mut [Self]);
@@ -1249,10 +1249,10 @@ mod x86 {
     /// `$tile`, compiled for `$features` so that the tile function inlines into the loop. A
     /// single activation row takes [`DECODE_TILE_ROWS`] weight rows per tile (the rest one by
     /// one); a block of several takes one weight row per tile, the tokens sharing its decode.
-    /// `split: true` takes a decode tile's rows from separate runs of the block (rows `i`,
-    /// `i + n/R`, …), each a sequential stream the hardware prefetcher follows; `false` takes
-    /// adjacent rows, whose blocks interleave within a page (see [`ActInt::SPLIT_DECODE_TILES`]).
-    /// Every row's output is the same either way.
+    /// With [`ActInt::SPLIT_DECODE_TILES`] a decode tile's rows come from separate runs of the
+    /// block (rows `i`, `i + n/R`, …), each a sequential stream the hardware prefetcher
+    /// follows; otherwise they are adjacent, their blocks interleaved within a page. Every
+    /// row's output is the same either way.
     macro_rules! tile_block {
         ($name:ident, $tile:ident, $tokens:ident, $act:ty, $features:literal) => {
             /// [`ActInt::block`] for one instruction set.

@@ -621,7 +621,7 @@ mod x86_int8 {
         let (groups, n) = (w.groups, w.len());
         assert!(n >= 1 && w.q.len() >= w.q_at(n - 1, groups));
         assert!(w.scales.len() >= w.scale_at(n - 1, groups));
-        assert!(n >= 1 && !rows.is_empty() && rows.len() <= stride);
+        assert!(!rows.is_empty() && rows.len() <= stride);
         assert!(out.len() >= (n - 1) * stride + rows.len());
         for r in rows {
             let ok = r.q.len() >= groups * INT8_GROUP
