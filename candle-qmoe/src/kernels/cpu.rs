@@ -279,6 +279,7 @@ trait ActInt: Copy + Default + Send + Sync + Into<i32> {
 struct QuantActs<T> {
     padded_cols: usize,
     groups: usize,
+    chunks_per_group: usize,
     q: Vec<T>,
     scale: Vec<f32>,
     corr: Vec<i32>,
@@ -338,6 +339,7 @@ impl<T: ActInt> QuantActs<T> {
         Self {
             padded_cols,
             groups,
+            chunks_per_group: group_size / CHUNK_WEIGHTS,
             q,
             scale,
             corr,
@@ -345,13 +347,14 @@ impl<T: ActInt> QuantActs<T> {
     }
 
     /// Rows `rows` in interleaved blocks of at most [`ActInt::token_block`] rows, in word blocks
-    /// where `isa`'s kernel for the block reads them ([`ActInt::word_blocks`]).
+    /// where `isa`'s kernel for the block reads them ([`ActInt::word_blocks`]) and the groups
+    /// hold whole word blocks.
     fn blocks(&self, rows: &[usize], isa: CpuIsa) -> Vec<ActBlock<T>> {
         let (chunks, groups) = (self.padded_cols / CHUNK_WEIGHTS, self.groups);
         rows.chunks(T::token_block(isa))
             .map(|rs| {
                 let tb = rs.len();
-                let words = T::word_blocks(isa, tb);
+                let words = T::word_blocks(isa, tb) && self.chunks_per_group >= WORD_BLOCK_CHUNKS;
                 let unit = if words { WORD_BLOCK_CHUNKS } else { 1 };
                 let mut blk = ActBlock {
                     tb,
@@ -1000,6 +1003,14 @@ mod x86 {
         words: false
     );
     row_tile!(
+        tile_a8_words_avx2,
+        tile_a8_words_avx2_groups,
+        group_sums_a8_words_avx2,
+        i8,
+        "avx2,fma,f16c",
+        words: true
+    );
+    row_tile!(
         tile_a8_avx512,
         tile_a8_avx512_groups,
         group_sums_a8_avx512,
@@ -1064,8 +1075,9 @@ mod x86 {
     /// Defines `$name`, [`group_sums_avx2`] for `i8` activations in the plain layout, compiled
     /// for `$features`: chunk `c`'s nibbles as bytes ([`nibble_bytes_avx2`]) times the
     /// activations, accumulated per row and token by `$madd` and widened to 8 × `i32` once per
-    /// group by `$widen`. Every instruction set, and the word-block kernel
-    /// ([`group_sums_a8_avx512`]), sums the same integers per group: the same bits.
+    /// group by `$widen`. Every instruction set, and the word-block kernels
+    /// ([`group_sums_a8_words_avx2`], [`group_sums_a8_avx512`]), sums the same integers per
+    /// group: the same bits.
     macro_rules! group_sums_a8 {
         ($name:ident, $madd:ident, $widen:ident, $features:literal) => {
             /// The `i8` group sums of one instruction set (see `group_sums_a8!`).
@@ -1115,6 +1127,78 @@ mod x86 {
         a8_widen_vnni,
         "avx512vnni,avx512vl,avx2"
     );
+
+    /// The 64 bytes of a row's word block at `w` as two 256-bit halves; `chunks < 4` (a
+    /// group's short tail) copies only its bytes, zero-padded, so the read never passes the
+    /// row's end.
+    ///
+    /// # Safety
+    /// The block's first `chunks` chunks must lie inside the row `w` points to.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load_block_avx2(w: *const u8, chunks: usize) -> [__m256i; 2] {
+        let mut tail = [0u8; WORD_BLOCK_CHUNKS * CHUNK_BYTES];
+        let w = if chunks >= WORD_BLOCK_CHUNKS {
+            w
+        } else {
+            std::ptr::copy_nonoverlapping(w, tail.as_mut_ptr(), chunks * CHUNK_BYTES);
+            tail.as_ptr()
+        };
+        [
+            _mm256_loadu_si256(w as *const __m256i),
+            _mm256_loadu_si256(w.add(32) as *const __m256i),
+        ]
+    }
+
+    /// [`group_sums_a8_avx2`] with the activations in word blocks ([`WORD_BLOCK_CHUNKS`]), as
+    /// [`group_sums_a8_avx512`] reads them: per 32-byte half of a 64-byte block the low
+    /// nibbles (`& 0xf`) and the high nibbles (`>> 4 & 0xf`) as 32 unsigned bytes each, one
+    /// shift per two chunks where the plain layout takes a `vpsrlvq` per chunk (on a Zen 4
+    /// core shifts and `vpmaddubsw` share two pipes); `vpmaddubsw`, summed in `i16` over the
+    /// group (at most 4 products of ≤ 2 · 15 · 127 per lane and block, 2 blocks: ≤ 30 480) and
+    /// widened once. The same exact group totals: the same bits. On a Zen 4 EPYC held to AVX2
+    /// (`layer_bench`, binaries alternating, `layer-ab-epyc-zen4-a8-words-avx2.jsonl`): OLMoE's
+    /// matrices from L3 on 2 threads, fastest bursts 0.134–0.155 ms against 0.144–0.163; from
+    /// DRAM on one thread 1.19–1.21 ms against 1.20–1.33; on two, memory-bound, no change.
+    ///
+    /// # Safety
+    /// As [`group_sums_a8_avx512`], on a CPU with AVX2.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn group_sums_a8_words_avx2<const R: usize, const TB: usize>(
+        wp: [*const u8; R],
+        xp: *const i8,
+        n: usize,
+    ) -> [[__m256i; TB]; R] {
+        debug_assert!(n <= 8, "i16 sums hold at most 8 chunks");
+        let mut acc = [[_mm256_setzero_si256(); TB]; R];
+        let nibble = _mm256_set1_epi8(0x0f);
+        for j in 0..n.div_ceil(WORD_BLOCK_CHUNKS) {
+            let chunks = (n - j * WORD_BLOCK_CHUNKS).min(WORD_BLOCK_CHUNKS);
+            for r in 0..R {
+                let w = wp[r].add(j * WORD_BLOCK_CHUNKS * CHUNK_BYTES);
+                // Rows are contiguous: fetch ahead across row ends (never faults).
+                prefetch_stream(w);
+                for (h, v) in load_block_avx2(w, chunks).into_iter().enumerate() {
+                    let lo = _mm256_and_si256(v, nibble);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), nibble);
+                    for (t, a) in acc[r].iter_mut().enumerate() {
+                        let x = xp.add((j * TB + t) * WORD_BLOCK_WEIGHTS + 32 * h);
+                        let load = |k: usize| _mm256_loadu_si256(x.add(k * 64) as *const _);
+                        let sum = a8_madd_avx2(*a, lo, load(0));
+                        *a = a8_madd_avx2(sum, hi, load(1));
+                    }
+                }
+            }
+        }
+        let mut sums = [[_mm256_setzero_si256(); TB]; R];
+        for r in 0..R {
+            for t in 0..TB {
+                sums[r][t] = a8_widen_avx2(acc[r][t]);
+            }
+        }
+        sums
+    }
 
     /// The 64 bytes of a row's word block at `w`; `chunks < 4` (a group's short tail) loads
     /// only its bytes, so the read never passes the row's end.
@@ -1320,6 +1404,13 @@ mod x86 {
         "avx2,fma,f16c"
     );
     tile_block!(
+        block_a8_words_avx2,
+        tile_a8_words_avx2,
+        tokens_a8_avx2,
+        i8,
+        "avx2,fma,f16c"
+    );
+    tile_block!(
         block_a8_avx512,
         tile_a8_avx512,
         tokens_a8_vnni,
@@ -1410,10 +1501,10 @@ impl ActInt for i8 {
     fn fold(_chunk: &mut [Self]) {}
     /// Byte `16l + b` of each of the block's two 64-level vectors: chunk `l`'s byte `b`, low
     /// nibble then high nibble.
-    /// A single row on AVX-512 (its 512-bit kernel); several rows sharing a weight row take
-    /// the 256-bit VNNI kernel, which reads the plain layout.
+    /// A single row on AVX-512 and AVX2 (their word-block kernels); several rows sharing a
+    /// weight row take the 256-bit kernels, which read the plain layout.
     fn word_blocks(isa: CpuIsa, tb: usize) -> bool {
-        isa == CpuIsa::Avx512Vnni && tb == 1
+        isa != CpuIsa::Scalar && tb == 1
     }
     fn place_in_word_block(block: &mut [Self], l: usize, src: &[Self]) {
         let half = CHUNK_WEIGHTS / 2;
@@ -1437,6 +1528,11 @@ impl ActInt for i8 {
     ) {
         match isa {
             // SAFETY: `routed_forward` checked that `isa` is available on this CPU.
+            #[cfg(target_arch = "x86_64")]
+            CpuIsa::Avx2 if acts.words => unsafe {
+                x86::block_a8_words_avx2::<TB>(shape, m, rows, acts, out)
+            },
+            // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
             CpuIsa::Avx2 => unsafe { x86::block_a8_avx2::<TB>(shape, m, rows, acts, out) },
             // SAFETY: as above.
