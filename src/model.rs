@@ -116,11 +116,9 @@ pub struct ModelArgs {
     /// that reads the whole pack first.
     #[arg(long, requires = "pack")]
     pub pack_in_memory: bool,
-    /// Activations of the INT4 experts in decode-sized calls on the CPU: i16 (FP16's rounding;
-    /// the default with BF16, F16 or F32 non-expert weights) or i8 (as prefill and llama.cpp:
-    /// fewer instructions per weight, for CPUs whose cores rather than their memory set the
-    /// pace; the default with `--dense-weights int8` unless QMOE_DECODE_ACTS is set).
-    /// Process-wide.
+    /// Activations of the INT4 experts in decode-sized calls on the CPU: i8 (the default, as
+    /// prefill and llama.cpp: half the instructions per weight) or i16 (FP16's rounding, at
+    /// twice the instructions). Process-wide; without it QMOE_DECODE_ACTS chooses.
     #[arg(long, value_parser = parse_arg::<DecodeActivations>)]
     pub decode_acts: Option<DecodeActivations>,
     /// Time each part of the forward passes while decoding (projections, attention, routers,
@@ -316,15 +314,6 @@ impl ModelArgs {
         Ok(Plan::new(&spec, &options)?)
     }
 
-    /// The decode activations [`ModelArgs::load`] sets process-wide: `--decode-acts`, else
-    /// `i8` with `--dense-weights int8` (8-bit arithmetic throughout, as llama.cpp's formats)
-    /// unless `QMOE_DECODE_ACTS` chooses, else none (the environment's or the default `i16`).
-    pub fn decode_activations(&self) -> Option<DecodeActivations> {
-        let int8 = self.dense_weights == Some(DenseWeights::Int8)
-            && std::env::var_os(DecodeActivations::ENV).is_none();
-        self.decode_acts.or(int8.then_some(DecodeActivations::I8))
-    }
-
     /// Builds the model (synthetic or from a checkpoint) on `device`.
     pub fn load(&self, dtype: DType, device: &Device) -> Result<Loaded> {
         let (resident, context_limit) = self.fit_budget(dtype, device)?;
@@ -337,7 +326,7 @@ impl ModelArgs {
         if self.dense_weights == Some(DenseWeights::Int8) {
             loaded.model.quantize_dense_int8()?;
         }
-        if let Some(acts) = self.decode_activations() {
+        if let Some(acts) = self.decode_acts {
             acts.set_current();
         }
         if self.profile {

@@ -182,27 +182,27 @@ fn tiny(resident: &str) -> ModelArgs {
     .model
 }
 
-/// `--dense-weights int8` computes the experts' decode with `i8` activations unless
-/// `--decode-acts` (or `QMOE_DECODE_ACTS`) chooses; other dense weights leave the choice alone.
+/// Decode activations default to `i8` (as prefill and llama.cpp); `--decode-acts` chooses
+/// either, whatever the dense weights, and anything else is refused by name.
 #[test]
-fn int8_dense_weights_take_i8_decode_activations() {
+fn decode_acts_flag_chooses_and_i8_is_the_default() {
+    assert_eq!(DecodeActivations::default(), DecodeActivations::I8);
     let acts = |flags: &[&str]| {
         let args = ["bench", "--synthetic", "tiny", "--cpu"];
-        let cli = Cli::try_parse_from(args.iter().chain(flags)).unwrap();
-        cli.model.decode_activations()
+        Cli::try_parse_from(args.iter().chain(flags)).map(|cli| cli.model.decode_acts)
     };
-    let env_set = std::env::var_os(DecodeActivations::ENV).is_some();
-    let int8 = (!env_set).then_some(DecodeActivations::I8);
-    assert_eq!(acts(&["--dense-weights", "int8"]), int8);
-    assert_eq!(acts(&[]), None);
-    assert_eq!(acts(&["--dense-weights", "bf16"]), None);
-    for (flag, want) in [
-        ("i16", DecodeActivations::I16),
-        ("i8", DecodeActivations::I8),
-    ] {
-        let got = acts(&["--dense-weights", "int8", "--decode-acts", flag]);
-        assert_eq!(got, Some(want));
+    assert_eq!(acts(&[]).unwrap(), None);
+    for dense in ["bf16", "int8"] {
+        for (flag, want) in [
+            ("i16", DecodeActivations::I16),
+            ("i8", DecodeActivations::I8),
+        ] {
+            let got = acts(&["--dense-weights", dense, "--decode-acts", flag]).unwrap();
+            assert_eq!(got, Some(want));
+        }
     }
+    let err = acts(&["--decode-acts", "i4"]).unwrap_err().to_string();
+    assert!(err.contains("i4") && err.contains("i16 or i8"), "{err}");
 }
 
 #[test]

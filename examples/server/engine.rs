@@ -361,7 +361,7 @@ impl<'t> Engine<'t> {
         }
         // Decode tokens and prompt chunks run as separate forwards, decode tokens in forwards
         // of fewer than W4A8_MIN_TOKENS: the INT4 kernel then keeps its decode activations
-        // (16-bit, or 8-bit with --decode-acts i8) for every decode token, and a prompt chunk
+        // (8-bit, or 16-bit with --decode-acts i16) for every decode token, and a prompt chunk
         // is computed as it would be alone, so a request's tokens do not depend on what it is
         // batched with (its kernels are batch-invariant, tests/routed_experts.rs).
         let mut results: Vec<Option<Result<Tensor, String>>> = vec![None; self.slots.len()];

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use candle::DType;
 use candle_nn::VarBuilder;
 
+use crate::kernels::cpu::DecodeActivations;
 use crate::pack::{
     ExpertLayout, ExpertNames, ExpertWeights, GroupSize, LayerPack, PackFile, ScaleSearch,
 };
@@ -113,6 +114,7 @@ pub struct PackedExperts {
     fingerprint: String,
     dense: Option<DType>,
     residency: Option<Arc<Residency>>,
+    decode_acts: Option<DecodeActivations>,
 }
 
 impl PackedExperts {
@@ -124,6 +126,7 @@ impl PackedExperts {
             fingerprint: fingerprint.into(),
             dense: None,
             residency: None,
+            decode_acts: None,
         }
     }
 
@@ -137,6 +140,13 @@ impl PackedExperts {
     /// synthetic model.
     pub fn dequantized(mut self, dtype: DType) -> Self {
         self.dense = Some(dtype);
+        self
+    }
+
+    /// Computes the INT4 experts' decode-sized calls on the CPU with these activations, whatever
+    /// the process-wide [`DecodeActivations::current`] (which the residency cache follows).
+    pub fn with_decode_activations(mut self, acts: DecodeActivations) -> Self {
+        self.decode_acts = Some(acts);
         self
     }
 
@@ -178,7 +188,13 @@ impl ExpertsLoader for PackedExperts {
             (None, Some(residency)) => {
                 residency.layer(dims.layer, dims.top_k, layer, vb.device())?
             }
-            (None, None) => Arc::new(Int4Experts::new(layer)),
+            (None, None) => {
+                let experts = Int4Experts::new(layer);
+                Arc::new(match self.decode_acts {
+                    Some(acts) => experts.with_decode_activations(acts),
+                    None => experts,
+                })
+            }
             (Some(dtype), _) => Arc::new(DenseExperts::new(
                 layer.dequantize_experts(dtype, vb.device())?,
             )?),
