@@ -26,6 +26,7 @@ use std::sync::Arc;
 use candle::cuda_backend::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use candle::cuda_backend::cudarc::driver::{CudaGraph, CudaStream};
 use candle::{DType, Device, Module, Tensor};
+use candle_qmoe::kernels::cpu::DecodeActivations;
 use candle_qmoe::kernels::cuda::{CudaPath, DeviceExperts, PREFILL_PASS_TOKENS};
 use candle_qmoe::pack::{ExpertLayout, GroupSize};
 use candle_qmoe::residency::{HybridMode, Residency, ResidencyOptions, Resident};
@@ -420,9 +421,21 @@ fn run_resident(
                 }
             }
             _ => {
+                // Misses computed on the CPU take its activations: `i16` rounds as the GPU's
+                // 16-bit ones do (1e-2 bounds the two kernels' other differences); `i8`, the
+                // default at decode, rounds to 127 levels per group, which on these Gaussian
+                // inputs alone moves the result by 1.2–1.4e-2 against `i16` (measured on the
+                // CPU with this shape and these seeds): 3e-2 leaves 2×.
+                let bound = if DecodeActivations::current().int8_at(tokens) {
+                    3e-2
+                } else {
+                    1e-2
+                };
                 let err = rel_err(&got, &want);
-                if err > 1e-2 {
-                    return Err(format!("step {step}: hybrid rel err {err:.2e}").into());
+                if err > bound {
+                    return Err(
+                        format!("step {step}: hybrid rel err {err:.2e} > {bound:.0e}").into(),
+                    );
                 }
             }
         }
