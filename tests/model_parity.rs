@@ -281,11 +281,11 @@ fn packed(name: &str, group: GroupSize) -> PackedExperts {
 /// group: a relative error of ~1% per projection (tests/routed_experts.rs), through two layers.
 /// Measured on 7-token prompts KL 1.6e-5–5.4e-5 (bound 2e-4, 3.7× the largest), max |Δlogit|
 /// 2.5e-2–4.5e-2, and 3 of 168 argmaxes flipped at near-ties (a one-position flip is 1/7 of a
-/// 7-token prompt, so top-1 is asserted on long prompts only); on 33-token prompts KL 2e-5–8e-4 (max |Δlogit| ≤ 0.6), and
-/// 1.9e-3 / 3.2e-3 (max ≈ 1) on mixtral-tiny g128 / g256, whose top-2 routing amplifies small
-/// changes: the bound, 4e-3, is an eighth of what INT4 weights cost on Mixtral's fixture (~3e-2)
-/// and under half of the others' (~1e-2, `int4_*` above), with top-1 agreeing on at least 90% of
-/// the positions.
+/// 7-token prompt, so top-1 is asserted on long prompts only); on 33-token prompts KL
+/// 2e-5–8e-4 (max |Δlogit| ≤ 0.6), and 1.9e-3 / 3.2e-3 (max ≈ 1) on mixtral-tiny g128 / g256,
+/// whose top-2 routing amplifies small changes: the bound, 4e-3, is an eighth of what INT4
+/// weights cost on Mixtral's fixture (~3e-2) and under half of the others' (~1e-2, `int4_*`
+/// above), with top-1 agreeing on at least 90% of the positions.
 #[test]
 fn int4_kernel_matches_dequantized_oracle_in_model() {
     for name in FIXTURES {

@@ -144,7 +144,8 @@ impl PackedExperts {
     }
 
     /// Computes the INT4 experts' decode-sized calls on the CPU with these activations, whatever
-    /// the process-wide [`DecodeActivations::current`] (which the residency cache follows).
+    /// the process-wide [`DecodeActivations::current`]. Not with
+    /// [`PackedExperts::with_residency`]: the residency cache always computes with `current`.
     pub fn with_decode_activations(mut self, acts: DecodeActivations) -> Self {
         self.decode_acts = Some(acts);
         self
