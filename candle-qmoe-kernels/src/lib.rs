@@ -2,7 +2,7 @@
 //!
 //! With the `cuda` feature, `build.rs` compiles `cuda/w4a16_moe.cu` with nvcc into PTX for the
 //! compute_80 (Ampere, Ada) and compute_90 (Hopper) virtual architectures and this crate embeds
-//! both; [`ptx_for`] picks the one for a device. Without the feature the crate needs no CUDA
+//! both; `ptx_for` picks the one for a device. Without the feature the crate needs no CUDA
 //! toolkit and exposes only the module name and the [`geometry`].
 //!
 //! The kernels are described at the top of the `.cu` file; their launch geometry and parameter

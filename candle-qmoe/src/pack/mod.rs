@@ -530,7 +530,7 @@ impl LayerPack {
     /// Hands the pages of a memory-mapped layer back to the system: they leave this process's
     /// resident memory and are read again from the file when next used (e.g. after a one-off
     /// [`Self::verify`] of a whole pack). Owned bytes, and bytes read into memory
-    /// ([`Self::read_into_memory`]), are kept.
+    /// ([`PackFile::open_in_memory`]), are kept.
     pub fn release_pages(&self) {
         if let PackBytes::Mapped(map, range) = &self.bytes {
             // SAFETY: the map is a read-only view of a `.qmoe` file that must not be modified

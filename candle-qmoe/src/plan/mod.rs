@@ -180,7 +180,7 @@ impl Plan {
     }
 
     /// Resident experts per decoder layer (0 for dense layers); usable as
-    /// [`Resident::PerLayer`](crate::residency::Resident::PerLayer) for the runtime.
+    /// [`Resident::PerLayer`] for the runtime.
     pub fn resident_per_layer(&self) -> &[usize] {
         &self.resident
     }
