@@ -31,7 +31,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use candle::{DType, Device};
 use candle_qmoe::residency::Resident;
-use candle_qmoe_suite::model::{parse_arg, Experts, ModelArgs};
+use candle_qmoe_suite::model::{output_path, parse_arg, Experts, ModelArgs};
 use candle_qmoe_suite::perf::{
     run_campaign, Contract, Metrics, SweepPoint, PROMPTS, WARMUP_PROMPT,
 };
@@ -40,7 +40,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
 
 #[derive(Parser, Debug)]
-#[command(about = "PERF-REAL: decode rate, TTFT and memory of a MoE model over a fixed campaign")]
+#[command(
+    allow_negative_numbers = true,
+    about = "PERF-REAL: decode rate, TTFT and memory of a MoE model over a fixed campaign"
+)]
 struct Args {
     #[command(flatten)]
     model: ModelArgs,
@@ -73,7 +76,7 @@ struct Args {
     baseline: bool,
     /// The JSON evidence file (default: under bench/results/, named after model, backend and
     /// device); a sweep's plot is written next to it (.svg).
-    #[arg(long)]
+    #[arg(long, value_parser = output_path)]
     json: Option<PathBuf>,
 }
 

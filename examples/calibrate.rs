@@ -28,7 +28,10 @@ use clap::{ArgGroup, Parser};
 use serde_json::{json, Value};
 
 #[derive(Parser, Debug)]
-#[command(about = "Measure the peak RSS of one synthetic configuration against the memory plan")]
+#[command(
+    allow_negative_numbers = true,
+    about = "Measure the peak RSS of one synthetic configuration against the memory plan"
+)]
 #[command(group(ArgGroup::new("mode").required(true).args(["synthetic", "table"])))]
 struct Args {
     /// The synthetic model: tiny, olmoe or qwen2moe (its pack is built in memory).

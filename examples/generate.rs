@@ -22,16 +22,19 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle::{DType, Device};
-use candle_qmoe::generation::{generate, Generation};
+use candle_qmoe::generation::{generate, Generation, StopReason};
 use candle_qmoe::pack::GroupSize;
 use candle_qmoe_suite::chat::ChatArgs;
-use candle_qmoe_suite::model::{Loaded, ModelArgs};
+use candle_qmoe_suite::model::{output_path, Loaded, ModelArgs};
 use candle_transformers::generation::LogitsProcessor;
 use clap::Parser;
 use serde_json::json;
 
 #[derive(Parser, Debug)]
-#[command(about = "Generate text with a MoE model whose routed experts run in INT4")]
+#[command(
+    allow_negative_numbers = true,
+    about = "Generate text with a MoE model whose routed experts run in INT4"
+)]
 struct Args {
     #[command(flatten)]
     model: ModelArgs,
@@ -62,7 +65,7 @@ struct Args {
     #[command(flatten)]
     chat: ChatArgs,
     /// Write the stats and the generated token ids to this JSON file.
-    #[arg(long)]
+    #[arg(long, value_parser = output_path)]
     stats_json: Option<PathBuf>,
 }
 
@@ -74,7 +77,7 @@ fn check_args(args: &Args) -> Result<()> {
         bail!("--top-p {p} must be in (0, 1]");
     }
     if let Some(t) = args.temperature.filter(|t| !(t.is_finite() && *t >= 0.0)) {
-        bail!("--temperature {t} must be ≥ 0");
+        bail!("--temperature {t} must be a finite number ≥ 0");
     }
     if !(args.repeat_penalty.is_finite() && args.repeat_penalty > 0.0) {
         bail!("--repeat-penalty {} must be > 0", args.repeat_penalty);
@@ -124,7 +127,7 @@ fn run(args: Args) -> Result<()> {
     if prompt.len() >= context {
         bail!(
             "the prompt has {} tokens but the model's context is {context} tokens \
-             (max_position_embeddings, or what --vram-budget fitted): no room to generate",
+             (max_position_embeddings, --ctx, or what --vram-budget fitted): no room to generate",
             prompt.len()
         );
     }
@@ -137,7 +140,7 @@ fn run(args: Args) -> Result<()> {
     let mut logits_processor = LogitsProcessor::new(args.seed, args.temperature, args.top_p);
     let mut stream = loaded.tokenizer.decode_stream(true);
     let mut stdout = std::io::stdout();
-    let generation = generate(
+    let mut generation = generate(
         &mut loaded.model,
         &prompt,
         max_new,
@@ -162,8 +165,14 @@ fn run(args: Args) -> Result<()> {
             }
             Ok(())
         },
-    )?;
+    )
+    // An error after streamed text starts on a line of its own.
+    .inspect_err(|_| println!())?;
     println!();
+    // `max_new` was cut to what the context holds: reaching it means the context is full.
+    if generation.stop == StopReason::MaxTokens && max_new < args.sample_len {
+        generation.stop = StopReason::ContextFull;
+    }
     report(
         &args,
         &loaded,

@@ -38,7 +38,10 @@ use rayon::prelude::*;
 use serde_json::{json, Value};
 
 #[derive(Parser, Debug)]
-#[command(about = "Correctness and timings of the CUDA W4A16 routed-experts kernels")]
+#[command(
+    allow_negative_numbers = true,
+    about = "Correctness and timings of the CUDA W4A16 routed-experts kernels"
+)]
 struct Args {
     /// Where to write the JSON results (repeatable).
     #[arg(long = "json")]

@@ -28,9 +28,11 @@ use candle_qmoe::kernels::cpu::{CpuIsa, DecodeActivations, W4A8_MIN_TOKENS};
 use candle_qmoe::pack::{DenseExpert, ExpertNames, GroupSize, LayerPack, ScaleSearch};
 use candle_qmoe::synthetic::{MoeShape, SyntheticKind};
 use candle_qmoe::{synthetic, DenseExperts, GgmlExperts, Int4Experts, RoutedExperts};
+use candle_qmoe_suite::model::output_path;
 use candle_qmoe_suite::perf::median;
 use candle_qmoe_suite::system::memory_bandwidth;
 use candle_qmoe_suite::testing::{rel_err, values_f64};
+use clap::builder::TypedValueParser;
 use clap::{Parser, ValueEnum};
 use serde_json::json;
 
@@ -88,13 +90,16 @@ impl Shape {
 }
 
 #[derive(Parser, Debug)]
-#[command(about = "Side-by-side timing of one MoE layer's routed experts on the CPU")]
+#[command(
+    allow_negative_numbers = true,
+    about = "Side-by-side timing of one MoE layer's routed experts on the CPU"
+)]
 struct Args {
     /// Model shape.
     #[arg(long, value_enum, default_value = "olmoe")]
     shape: Shape,
-    /// Tokens per call (1 = decode).
-    #[arg(long, default_value_t = 1)]
+    /// Tokens per call (1 = decode), at most 4096.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096).map(|v| v as usize))]
     tokens: usize,
     /// INT4 group size.
     #[arg(long, default_value_t = 128)]
@@ -105,7 +110,7 @@ struct Args {
     /// Consecutive calls per timed sample (each on the next routing), as the MoE layers of one
     /// decode step follow each other; the time is reported per call. 1 times single calls
     /// after an idle pause, which on small VMs adds the wake-up of an idle core to every call.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..).map(|v| v as usize))]
     burst: usize,
     /// Copies of the layer, each in memory of its own, that consecutive calls go through (the
     /// INT4 backends and Candle's Q4K; the dense baselines and Q4_0, which compute far slower
@@ -116,7 +121,7 @@ struct Args {
     #[arg(long, default_value_t = 42)]
     seed: u64,
     /// Append the JSON line to this file.
-    #[arg(long)]
+    #[arg(long, value_parser = output_path)]
     json: Option<std::path::PathBuf>,
 }
 

@@ -7,9 +7,19 @@
 //! ```
 
 use candle_qmoe_suite::system::{cpu_model, memory_bandwidth};
+use clap::Parser;
 use serde_json::json;
 
+/// No flags: `--help` says what it does, and anything else is refused.
+#[derive(Parser, Debug)]
+#[command(
+    about = "The host's parallel read and copy bandwidth (512 MiB buffers, median of five; \
+                   threads: RAYON_NUM_THREADS, else one per core), as one JSON line"
+)]
+struct Args {}
+
 fn main() -> anyhow::Result<()> {
+    Args::parse();
     let bw = memory_bandwidth();
     let mut line = serde_json::to_value(bw)?;
     line["cpu"] = json!(cpu_model());

@@ -16,6 +16,7 @@ use candle::{DType, Device};
 use candle_qmoe::models::{self, AnyConfig, ExpertsBackend, MoeForCausalLm};
 use candle_qmoe::pack::{GroupSize, ScaleSearch};
 use candle_qmoe::parity::{compare, Golden};
+use candle_qmoe_suite::model::output_path;
 use clap::{Parser, ValueEnum};
 use serde_json::json;
 
@@ -38,7 +39,10 @@ enum Search {
 }
 
 #[derive(Parser, Debug)]
-#[command(about = "Fidelity of a MoE model folder against a transformers golden file")]
+#[command(
+    allow_negative_numbers = true,
+    about = "Fidelity of a MoE model folder against a transformers golden file"
+)]
 struct Args {
     /// Checkpoint folder (config.json + safetensors).
     #[arg(long)]
@@ -60,7 +64,7 @@ struct Args {
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
     dtype: String,
     /// Write the results as JSON.
-    #[arg(long)]
+    #[arg(long, value_parser = output_path)]
     json: Option<PathBuf>,
 }
 

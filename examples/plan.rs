@@ -25,7 +25,7 @@ use candle_qmoe::plan::{
 use candle_qmoe::residency::Resident;
 use candle_qmoe::synthetic::SyntheticKind;
 use candle_qmoe::QmoeError;
-use candle_qmoe_suite::model::{parse_arg, parse_budget, DenseWeights, Experts};
+use candle_qmoe_suite::model::{output_path, parse_arg, parse_budget, DenseWeights, Experts};
 use clap::{ArgGroup, Parser, ValueEnum};
 use serde_json::json;
 
@@ -39,6 +39,7 @@ enum DeviceKind {
 
 #[derive(Parser, Debug)]
 #[command(
+    allow_negative_numbers = true,
     about = "Predict a MoE model's memory per component and fit the expert cache to a budget"
 )]
 #[command(group(ArgGroup::new("source").required(true).args(["config", "model_dir", "model_id", "synthetic"])))]
@@ -102,7 +103,7 @@ struct Args {
     #[arg(long, value_enum, alias = "dtype")]
     dense_weights: Option<DenseWeights>,
     /// Write the plan to this JSON file.
-    #[arg(long)]
+    #[arg(long, value_parser = output_path)]
     json: Option<PathBuf>,
 }
 

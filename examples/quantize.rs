@@ -27,7 +27,7 @@ use candle_qmoe::synthetic::SyntheticKind;
 use candle_qmoe_suite::checkpoint::{
     quantize_to_file_with_progress, resolve_checkpoint, write_synthetic_checkpoint,
 };
-use candle_qmoe_suite::model::parse_arg;
+use candle_qmoe_suite::model::{output_path, parse_arg};
 use candle_qmoe_suite::system::{self, peak_rss_bytes};
 use clap::{Parser, ValueEnum};
 use serde_json::json;
@@ -41,7 +41,10 @@ enum Search {
 }
 
 #[derive(Parser, Debug)]
-#[command(about = "Quantize a MoE checkpoint's routed experts into a .qmoe pack")]
+#[command(
+    allow_negative_numbers = true,
+    about = "Quantize a MoE checkpoint's routed experts into a .qmoe pack"
+)]
 struct Args {
     /// Hugging Face model id (downloaded with hf-hub) when --model-dir is not given.
     #[arg(long, default_value = "allenai/OLMoE-1B-7B-0924-Instruct")]
@@ -72,14 +75,14 @@ struct Args {
     #[arg(long, value_enum, default_value = "mse")]
     scale_search: Search,
     /// Output .qmoe file (optional with --save-checkpoint, which alone only writes the folder).
-    #[arg(long, required_unless_present = "save_checkpoint")]
+    #[arg(long, required_unless_present = "save_checkpoint", value_parser = output_path)]
     out: Option<PathBuf>,
     /// Overwrite an existing output file.
     #[arg(long)]
     force: bool,
     /// Append a JSON line with the run's evidence (device, load, commit, command, times, CPU
     /// time, peak RSS, sizes) to this file.
-    #[arg(long)]
+    #[arg(long, value_parser = output_path)]
     json: Option<PathBuf>,
 }
 
@@ -90,6 +93,10 @@ fn peak_rss() -> String {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // clap does not enforce `requires` between these two (each requires the other).
+    if args.save_checkpoint.is_some() && args.synthetic.is_none() {
+        bail!("--save-checkpoint writes a --synthetic model: add --synthetic KIND (tiny, olmoe, qwen2moe, qwen3moe or mixtral)");
+    }
     let group_size = GroupSize::new(args.group_size)?;
     if let Some(out) = args.out.as_ref().filter(|o| o.exists() && !args.force) {
         bail!("`{}` exists; pass --force to overwrite it", out.display());

@@ -29,11 +29,15 @@ use candle_qmoe::residency::{HybridMode, PolicyKind, Residency, ResidencyOptions
 use candle_qmoe::synthetic::{
     gaussian, random_layer_pack, random_routing, skewed_routing, SyntheticKind, SyntheticModel,
 };
+use clap::builder::TypedValueParser;
 use clap::Parser;
 use serde_json::{json, Value};
 
 #[derive(Parser, Debug)]
-#[command(about = "Expert-cache residency sweep (layer traces and synthetic models)")]
+#[command(
+    allow_negative_numbers = true,
+    about = "Expert-cache residency sweep (layer traces and synthetic models)"
+)]
 struct Args {
     /// Run on the CPU even when a GPU is available.
     #[arg(long)]
@@ -42,13 +46,14 @@ struct Args {
     #[arg(long = "json")]
     json: Vec<std::path::PathBuf>,
     /// Decode steps per layer trace.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..).map(|v| v as usize))]
     trace_tokens: usize,
     /// Tokens generated per model run.
     #[arg(short = 'n', long, default_value_t = 24)]
     sample_len: usize,
     /// Synthetic models of the model sweep (olmoe, qwen2moe); none skips it.
-    #[arg(long, value_delimiter = ',', default_value = "olmoe,qwen2moe")]
+    #[arg(long, value_delimiter = ',', default_value = "olmoe,qwen2moe",
+          value_parser = ["olmoe", "qwen2moe", "none"])]
     models: Vec<String>,
     /// Fewer model runs: capacities at both ends and the middle only.
     #[arg(long)]

@@ -30,6 +30,15 @@ pub fn resolve_checkpoint(
     revision: Option<&str>,
 ) -> Result<Checkpoint> {
     if let Some(dir) = model_dir {
+        if dir.is_file() {
+            bail!(
+                "--model-dir `{}` is a file: pass the model folder that holds it",
+                dir.display()
+            );
+        }
+        if !dir.is_dir() {
+            bail!("--model-dir `{}`: no such folder", dir.display());
+        }
         if !dir.join("config.json").is_file() {
             bail!("`{}` has no config.json: not a model folder", dir.display());
         }

@@ -181,6 +181,26 @@ pub fn parse_arg<T: std::str::FromStr<Err = candle_qmoe::QmoeError>>(s: &str) ->
     s.parse().map_err(|e: candle_qmoe::QmoeError| e.to_string())
 }
 
+/// A clap value parser for a file the program writes: refused when the flags are read, not
+/// after the work, if its folder does not exist or the path is a folder.
+pub fn output_path(s: &str) -> Result<std::path::PathBuf, String> {
+    let path = std::path::PathBuf::from(s);
+    if s.is_empty() {
+        return Err("the path is empty".into());
+    }
+    if path.is_dir() {
+        return Err(format!("`{s}` is a folder; name a file"));
+    }
+    let folder = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(std::path::Path::new("."));
+    if !folder.is_dir() {
+        return Err(format!("folder `{}` does not exist", folder.display()));
+    }
+    Ok(path)
+}
+
 /// `--group-size`, or the library's default group size.
 fn group_size_or_default(group_size: Option<usize>) -> Result<GroupSize> {
     Ok(group_size
@@ -314,8 +334,22 @@ impl ModelArgs {
         Ok(Plan::new(&spec, &options)?)
     }
 
-    /// Builds the model (synthetic or from a checkpoint) on `device`.
+    /// Refuses, before any weights are read, flags the model cannot run with: `--ctx` outside
+    /// `2..=` the model's maximum context (a prompt token and a generated one), and through the
+    /// memory plan `--resident` above the model's experts or below its top-k, or a per-layer list
+    /// whose length is not the number of MoE layers.
+    pub fn check(&self, dtype: DType, device: &Device) -> Result<()> {
+        let max = self.config()?.common().max_position_embeddings;
+        if let Some(ctx) = self.ctx.filter(|c| !(2..=max).contains(c)) {
+            bail!("--ctx {ctx} must be in 2..={max} (the model's maximum context, max_position_embeddings)");
+        }
+        self.plan(dtype, device)?;
+        Ok(())
+    }
+
+    /// Builds the model (synthetic or from a checkpoint) on `device`, after [`Self::check`].
     pub fn load(&self, dtype: DType, device: &Device) -> Result<Loaded> {
+        self.check(dtype, device)?;
         let (resident, context_limit) = self.fit_budget(dtype, device)?;
         let residency = self.residency_options(resident)?;
         let mut loaded = match self.synthetic {
@@ -323,6 +357,16 @@ impl ModelArgs {
             None => load_checkpoint(self, residency, dtype, device)?,
         };
         loaded.context_limit = context_limit;
+        let (ids, vocab) = (
+            loaded.tokenizer.get_vocab_size(true),
+            loaded.model.spec().vocab_size,
+        );
+        if ids > vocab {
+            eprintln!(
+                "note: the tokenizer knows {ids} ids but the model's vocab_size is {vocab}: a \
+                 prompt holding ids ≥ {vocab} will be refused (give the model's own tokenizer.json)"
+            );
+        }
         if self.dense_weights == Some(DenseWeights::Int8) {
             loaded.model.quantize_dense_int8()?;
         }

@@ -751,3 +751,165 @@ fn a_pack_without_checksums_asks_to_requantize() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `fixture`'s checkpoint copied with tensor `name` stored as I16: the same bytes, read as
+/// integers.
+fn checkpoint_with_integer_tensor(fixture: &str, name: &str) -> PathBuf {
+    let dir = checkpoint_copy(fixture, "integer-tensor");
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            assert_eq!(v.dtype(), safetensors::Dtype::BF16, "the fixtures are BF16");
+            let dtype = if n == name {
+                safetensors::Dtype::I16
+            } else {
+                v.dtype()
+            };
+            let view = safetensors::tensor::TensorView::new(dtype, v.shape().to_vec(), v.data());
+            (n, view.unwrap())
+        })
+        .collect();
+    assert!(views.iter().any(|(n, _)| n == name), "no tensor {name}");
+    let out = safetensors::serialize(views, None).unwrap();
+    std::fs::write(dir.join("model.safetensors"), out).unwrap();
+    dir
+}
+
+/// A weight the model reads stored as integers is refused by name, not converted to floats and
+/// used.
+#[test]
+fn an_integer_weight_is_refused_by_name() {
+    let name = "model.layers.0.self_attn.q_proj.weight";
+    let dir = checkpoint_with_integer_tensor("olmoe-tiny", name);
+    let err = load_checkpoint(&dir).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        matches!(&err, QmoeError::InvalidCheckpoint { .. })
+            && msg.contains(name)
+            && msg.contains("I16")
+            && msg.contains("floating-point"),
+        "{msg}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A shard index whose `weight_map` leads out of the checkpoint folder is refused naming the
+/// shard: no file outside the folder is opened.
+#[test]
+fn shards_outside_the_checkpoint_folder_are_refused() {
+    let dir = checkpoint_copy("olmoe-tiny", "shard-paths");
+    let single = dir.join(models::checkpoint::SINGLE_FILE);
+    std::fs::rename(&single, dir.join("model-00001-of-00001.safetensors")).unwrap();
+    let outside = dir.parent().unwrap().join("qmoe-outside.safetensors");
+    for shard in [
+        "../qmoe-outside.safetensors".to_string(),
+        outside.display().to_string(),
+        "sub/../model-00001-of-00001.safetensors".to_string(),
+    ] {
+        let index = json!({ "weight_map": {
+            "model.embed_tokens.weight": "model-00001-of-00001.safetensors",
+            "lm_head.weight": shard,
+        }});
+        std::fs::write(
+            dir.join(models::checkpoint::INDEX_FILE),
+            serde_json::to_vec(&index).unwrap(),
+        )
+        .unwrap();
+        let err = models::checkpoint::checkpoint_files(&dir).unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            matches!(&err, QmoeError::InvalidFile { .. })
+                && msg.contains(&shard)
+                && msg.contains("not a file name inside"),
+            "{shard}: {msg}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Quantizing onto a file the checkpoint is read from is refused, and the file stays as it was.
+#[test]
+fn a_pack_is_not_written_over_its_own_checkpoint() {
+    let dir = checkpoint_copy("olmoe-tiny", "pack-over-source");
+    let opts = models::QuantizeOptions::default();
+    for victim in ["model.safetensors", "config.json"] {
+        let path = dir.join(victim);
+        let before = std::fs::read(&path).unwrap();
+        let err = models::quantize_checkpoint_to_file(&dir, &path, &opts, &|_, _| {}).unwrap_err();
+        assert!(
+            matches!(&err, QmoeError::InvalidArgument { reason, .. }
+                if reason.contains("a file of the checkpoint being quantized")),
+            "{victim}: {err}"
+        );
+        assert_eq!(
+            std::fs::read(&path).unwrap(),
+            before,
+            "{victim} was changed"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A config that claims far more experts than the checkpoint holds is refused naming the first
+/// missing tensor, before the (here 50 GB) layer would be allocated.
+#[test]
+fn more_experts_in_the_config_than_the_checkpoint_are_refused_by_name() {
+    let dir = checkpoint_copy("olmoe-tiny", "too-many-experts");
+    let config = dir.join("config.json");
+    let mut cfg: Value = serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
+    cfg["num_experts"] = json!(1_000_000);
+    std::fs::write(&config, serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let opts = models::QuantizeOptions::default();
+    let out = dir.join("tiny.qmoe");
+    let err = models::quantize_checkpoint_to_file(&dir, &out, &opts, &|_, _| {}).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("experts.999999."), "{msg}");
+    assert!(!out.exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Logits holding a NaN or an infinity are refused naming the position and the first token
+/// id; finite ones pass.
+#[test]
+fn non_finite_logits_are_refused_by_position_and_token() {
+    use candle_qmoe::generation::check_logits;
+    let mut values: Vec<f32> = (0..512).map(|i| (i as f32 * 0.37).sin() * 8.0).collect();
+    let tensor = |v: &[f32]| Tensor::new(v, &Device::Cpu).unwrap();
+    check_logits(&tensor(&values), 3).unwrap();
+    check_logits(&tensor(&values).to_dtype(DType::BF16).unwrap(), 3).unwrap();
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        values[300] = bad;
+        values[301] = f32::NAN;
+        let err = check_logits(&tensor(&values), 17).unwrap_err();
+        match QmoeError::find(&err) {
+            Some(QmoeError::NonFiniteLogits {
+                position: 17,
+                token: 300,
+                value,
+            }) if value.to_bits() == bad.to_bits() || (value.is_nan() && bad.is_nan()) => {}
+            other => panic!("{bad}: {other:?}"),
+        }
+        values[301] = 0.5;
+    }
+}
+
+/// A Mixtral config without its expert count is refused under Mixtral's own name for it.
+#[test]
+fn a_mixtral_config_without_experts_names_num_local_experts() {
+    let path = fixture_dir("mixtral-tiny").join("config.json");
+    let mut cfg: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    assert!(cfg
+        .as_object_mut()
+        .unwrap()
+        .remove("num_local_experts")
+        .is_some());
+    let err = AnyConfig::from_json_str(&cfg.to_string()).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("missing field `num_local_experts`"),
+        "{err}"
+    );
+}

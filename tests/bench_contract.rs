@@ -163,7 +163,9 @@ fn sweep_plot_is_an_svg_with_axis_labels() {
     assert!(plot_sweep(&path, "empty", &[], None).is_err());
 }
 
+/// The model flags, parsed as the examples parse them (negative numbers reach the flags).
 #[derive(Parser)]
+#[command(allow_negative_numbers = true)]
 struct Cli {
     #[command(flatten)]
     model: ModelArgs,
@@ -271,4 +273,43 @@ fn campaign_with_a_fixed_prompt_length() {
     for r in &c.responses {
         assert_eq!((r.prompt_tokens, r.generated), (37, 3));
     }
+}
+
+/// Model flags the model cannot run with are refused by `ModelArgs::check` (which `load` runs
+/// first) before any weights are read, naming the flag and both numbers; negative numbers reach
+/// the flags' own checks instead of clap's "unexpected argument".
+#[test]
+fn model_flags_beyond_the_model_are_refused_before_loading() {
+    let check = |flags: &[&str]| {
+        let args = ["generate", "--synthetic", "tiny", "--cpu"];
+        let cli = Cli::try_parse_from(args.iter().chain(flags)).map_err(|e| e.to_string())?;
+        cli.model
+            .check(DType::F32, &candle::Device::Cpu)
+            .map_err(|e| format!("{e:#}"))
+    };
+    let max = Cli::try_parse_from(["generate", "--synthetic", "tiny"])
+        .unwrap()
+        .model
+        .config()
+        .unwrap()
+        .common()
+        .max_position_embeddings;
+    check(&[]).unwrap();
+    check(&["--ctx", "2"]).unwrap();
+    check(&["--ctx", &max.to_string()]).unwrap();
+    for ctx in [0, 1, max + 1, 100 * max] {
+        let err = check(&["--ctx", &ctx.to_string()]).unwrap_err();
+        assert!(
+            err.contains(&format!("--ctx {ctx}")) && err.contains(&format!("2..={max}")),
+            "{err}"
+        );
+    }
+    // The tiny model: 2 MoE layers of 8 experts, top-2.
+    check(&["--resident", "2"]).unwrap();
+    for resident in ["9", "1", "3,4,5"] {
+        let err = check(&["--resident", resident]).unwrap_err();
+        assert!(err.contains("memory plan"), "--resident {resident}: {err}");
+    }
+    let err = check(&["--resident", "-3"]).unwrap_err();
+    assert!(!err.contains("unexpected argument"), "{err}");
 }

@@ -30,20 +30,20 @@ pub enum QmoeError {
     #[error(transparent)]
     Candle(candle::Error),
     /// A file could not be read.
-    #[error("cannot read `{path}`: {source}")]
+    #[error("cannot read `{path}`: {error}")]
     Io {
         /// The file.
         path: PathBuf,
-        /// Why.
-        source: std::io::Error,
+        /// Why (in the message, not a separate source: a report prints it once).
+        error: std::io::Error,
     },
     /// A file could not be written.
-    #[error("cannot write `{path}`: {source}")]
+    #[error("cannot write `{path}`: {error}")]
     Write {
         /// The file.
         path: PathBuf,
-        /// Why.
-        source: std::io::Error,
+        /// Why (in the message, not a separate source: a report prints it once).
+        error: std::io::Error,
     },
     /// A file is not what it should be (malformed JSON, missing fields, inconsistent contents).
     #[error("invalid {file}: {reason}")]
@@ -155,6 +155,20 @@ pub enum QmoeError {
         /// `max_position_embeddings`.
         context: usize,
     },
+    /// The model computed a logit that is NaN or infinite: its weights or inputs hold such
+    /// values, or the arithmetic overflowed.
+    #[error(
+        "the logits of position {position} are not finite ({value} for token id {token}): \
+         check the checkpoint's weights for NaN or Inf, or compute in a wider dtype"
+    )]
+    NonFiniteLogits {
+        /// The sequence position whose logits these are.
+        position: usize,
+        /// The first token id with a non-finite logit.
+        token: usize,
+        /// Its logit.
+        value: f32,
+    },
     /// A `.qmoe` file that is corrupt, truncated, of another format version, or not a pack.
     #[error("invalid expert pack `{path}`: {reason}")]
     CorruptPack {
@@ -185,8 +199,9 @@ pub enum QmoeError {
     /// A memory plan cannot be made or does not fit its budget (see [`crate::plan`]).
     #[error("memory plan: {0}")]
     Plan(String),
-    /// The device (or the host memory standing in for it) cannot hold an allocation.
-    #[error("out of device memory: {what} needs {needed} bytes, but {reason}")]
+    /// An allocation cannot be had: device memory, pinned host memory, or host memory (a
+    /// host-memory expert cache, a layer being packed); the reason says which.
+    #[error("out of memory: {what} needs {needed} bytes, but {reason}")]
     OutOfMemory {
         /// The allocation, e.g. `an expert cache of 8 slots × 1184 bytes`.
         what: String,

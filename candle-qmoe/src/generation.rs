@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use candle::Tensor;
+use candle::{DType, Tensor};
 
 use crate::models::MoeForCausalLm;
 use crate::profile::{self, Profile};
@@ -49,7 +49,8 @@ pub enum StopReason {
     Eos,
     /// `max_new_tokens` were generated.
     MaxTokens,
-    /// The context (`max_position_embeddings`) is full.
+    /// The context is full: the model's `max_position_embeddings`, or a shorter limit of the
+    /// caller's (which then asks [`generate`] for only the tokens that fit).
     ContextFull,
 }
 
@@ -133,6 +134,7 @@ pub fn generate(
     let mut logits = prefill(model, prompt, PREFILL_CHUNK)?;
     let mut decode_start = None;
     let stop = loop {
+        check_logits(&logits, all.len() - 1)?;
         let next = sample(&logits, &all)?;
         first_token_at.get_or_insert_with(Instant::now);
         if profile::enabled() {
@@ -163,6 +165,29 @@ pub fn generate(
         decode_time: end - first,
         decode_profile,
     })
+}
+
+/// Refuses logits (`[vocab]`, F32) of sequence position `position` that hold a NaN or an
+/// infinity, which no sampler can rank: [`QmoeError::NonFiniteLogits`] names the first. One sum
+/// over the vocabulary per token (a few µs); the scan for the culprit runs only on failure.
+pub fn check_logits(logits: &Tensor, position: usize) -> candle::Result<()> {
+    let sum = logits.sum_all()?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+    if sum.is_finite() {
+        return Ok(());
+    }
+    let values = logits
+        .flatten_all()?
+        .to_dtype(DType::F32)?
+        .to_vec1::<f32>()?;
+    let Some((token, &value)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) else {
+        return Ok(()); // finite logits whose sum overflowed
+    };
+    Err(QmoeError::NonFiniteLogits {
+        position,
+        token,
+        value,
+    }
+    .into())
 }
 
 /// Greedy (argmax) sampling, for [`generate`].

@@ -91,9 +91,9 @@ impl SafetensorsWriter {
             .file_name()
             .ok_or_else(|| invalid("the path names no file".into()))?;
         let partial = path.with_file_name(format!(".{}.partial", name.to_string_lossy()));
-        let write_error = |source| QmoeError::Write {
+        let write_error = |error| QmoeError::Write {
             path: path.to_path_buf(),
-            source,
+            error,
         };
         let mut out =
             BufWriter::with_capacity(BUFFER_BYTES, File::create(&partial).map_err(write_error)?);
@@ -155,10 +155,10 @@ impl SafetensorsWriter {
     }
 
     /// An I/O error while writing, naming the file.
-    fn write_error(&self, source: std::io::Error) -> QmoeError {
+    fn write_error(&self, error: std::io::Error) -> QmoeError {
         QmoeError::Write {
             path: self.path.clone(),
-            source,
+            error,
         }
     }
 

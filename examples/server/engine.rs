@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle::Tensor;
+use candle_qmoe::generation::check_logits;
 use candle_qmoe::kernels::cpu::W4A8_MIN_TOKENS;
 use candle_qmoe::models::{ExpertTraffic, MoeForCausalLm, SequenceCache, SequenceInput};
 use candle_transformers::generation::LogitsProcessor;
@@ -212,6 +213,8 @@ impl Slot<'_> {
         logits: &Tensor,
         config: &EngineConfig,
     ) -> Result<Option<FinishReason>, String> {
+        // `tokens` holds the prompt and every token generated: the logits are of its last.
+        check_logits(logits, self.tokens.len() - 1).map_err(|e| e.to_string())?;
         let token = self.sampler.sample(logits).map_err(|e| e.to_string())?;
         self.tokens.push(token);
         if config.stop_ids.contains(&token) {

@@ -36,6 +36,7 @@ const DEFAULT_CTX: usize = 4096;
 
 #[derive(Parser, Debug)]
 #[command(
+    allow_negative_numbers = true,
     about = "OpenAI-compatible server with continuous batching for MoE models with INT4 experts"
 )]
 struct Args {
@@ -102,15 +103,12 @@ fn main() -> Result<()> {
     let device = args.model.device()?;
     let dtype = args.model.compute_dtype(&device);
     let model_ctx = args.model.config()?.common().max_position_embeddings;
-    let ctx = args.model.ctx.unwrap_or(model_ctx.min(DEFAULT_CTX));
-    if !(2..=model_ctx).contains(&ctx) {
-        bail!("--ctx {ctx} must be in 2..={model_ctx} (the model's context)");
-    }
-    args.model.ctx = Some(ctx);
+    args.model.ctx = Some(args.model.ctx.unwrap_or(model_ctx.min(DEFAULT_CTX)));
     args.model.batching = Batching {
         sequences: args.parallel,
         step_tokens: args.prefill_chunk + args.parallel,
     };
+    args.model.check(dtype, &device)?;
     if args.model.vram_budget.is_none() {
         check_memory(&args.model, dtype, &device)?;
     }

@@ -22,8 +22,8 @@ pub const SINGLE_FILE: &str = "model.safetensors";
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 
 /// The safetensors files of the checkpoint in `dir`: `model.safetensors`, or else every shard
-/// named in `model.safetensors.index.json`'s `weight_map` (sorted, each once). A missing file is an
-/// error that names it.
+/// named in `model.safetensors.index.json`'s `weight_map` (sorted, each once). A missing file, or
+/// a shard named by a path that leaves the folder, is an error that names it.
 pub fn checkpoint_files(dir: impl AsRef<Path>) -> crate::Result<Vec<PathBuf>> {
     let dir = dir.as_ref();
     let invalid = |reason: String| QmoeError::InvalidCheckpoint {
@@ -42,9 +42,9 @@ pub fn checkpoint_files(dir: impl AsRef<Path>) -> crate::Result<Vec<PathBuf>> {
         file: format!("`{}`", index.display()),
         reason,
     };
-    let text = std::fs::read_to_string(&index).map_err(|source| QmoeError::Io {
+    let text = std::fs::read_to_string(&index).map_err(|error| QmoeError::Io {
         path: index.clone(),
-        source,
+        error,
     })?;
     let json: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| bad_index(format!("not valid JSON: {e}")))?;
@@ -59,6 +59,16 @@ pub fn checkpoint_files(dir: impl AsRef<Path>) -> crate::Result<Vec<PathBuf>> {
     shards
         .into_iter()
         .map(|name| {
+            // A shard is a file of this folder: no path that leads out of it.
+            let mut parts = Path::new(name).components();
+            if !matches!(
+                (parts.next(), parts.next()),
+                (Some(std::path::Component::Normal(_)), None)
+            ) {
+                return Err(bad_index(format!(
+                    "shard `{name}` is not a file name inside the checkpoint folder"
+                )));
+            }
             let p = dir.join(name);
             if p.is_file() {
                 Ok(p)
@@ -107,6 +117,26 @@ struct NamedCheckpoint {
 }
 
 impl NamedCheckpoint {
+    /// Refuses a stored tensor that is not floating point (an integer or boolean tensor would
+    /// be converted to the compute dtype as numbers and silently used as weights); a missing
+    /// one is left to the read, which names it.
+    fn check_float(&self, name: &str) -> candle::Result<()> {
+        let Ok(view) = self.tensors.get(name) else {
+            return Ok(());
+        };
+        match view.dtype() {
+            Dtype::F64 | Dtype::F32 | Dtype::BF16 | Dtype::F16 => Ok(()),
+            other => Err(QmoeError::InvalidCheckpoint {
+                dir: self.dir.clone(),
+                reason: format!(
+                    "tensor `{name}` is stored as {other:?}, not a floating-point type \
+                     (F32, BF16 or F16)"
+                ),
+            }
+            .into()),
+        }
+    }
+
     /// A read error as a [`QmoeError::InvalidCheckpoint`] whose reason is Candle's message
     /// (without a backtrace: the new error captures its own).
     fn named<T>(&self, read: candle::Result<T>) -> candle::Result<T> {
@@ -133,6 +163,7 @@ impl SimpleBackend for NamedCheckpoint {
         dtype: DType,
         device: &Device,
     ) -> candle::Result<Tensor> {
+        self.check_float(name)?;
         self.named(SimpleBackend::get(
             &self.tensors,
             shape,
@@ -144,6 +175,7 @@ impl SimpleBackend for NamedCheckpoint {
     }
 
     fn get_unchecked(&self, name: &str, dtype: DType, device: &Device) -> candle::Result<Tensor> {
+        self.check_float(name)?;
         self.named(self.tensors.get_unchecked(name, dtype, device))
     }
 
@@ -213,9 +245,9 @@ impl CheckpointTensors {
                 dir: dir.clone(),
                 reason: format!("`{}`: {reason}", path.display()),
             };
-            let file = std::fs::File::open(&path).map_err(|source| QmoeError::Io {
+            let file = std::fs::File::open(&path).map_err(|error| QmoeError::Io {
                 path: path.clone(),
-                source,
+                error,
             })?;
             // SAFETY: forwarded to the caller (the file is not modified while mapped).
             let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| invalid(e.to_string()))?;

@@ -77,9 +77,9 @@ pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(
 /// The text of the `config.json` at `path`: a [`QmoeError::Io`] when it cannot be read, a
 /// [`QmoeError::InvalidFile`] naming it when it is not UTF-8.
 pub(crate) fn read_config_text(path: &Path) -> crate::Result<String> {
-    let bytes = std::fs::read(path).map_err(|source| QmoeError::Io {
+    let bytes = std::fs::read(path).map_err(|error| QmoeError::Io {
         path: path.to_path_buf(),
-        source,
+        error,
     })?;
     String::from_utf8(bytes).map_err(|e| QmoeError::InvalidFile {
         file: format!("`{}`", path.display()),

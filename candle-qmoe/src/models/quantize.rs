@@ -12,12 +12,13 @@
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::checkpoint::{fingerprint, CheckpointTensors};
+use super::checkpoint::{checkpoint_files, fingerprint, CheckpointTensors, INDEX_FILE};
 use super::config::{ModelConfig, MoeSpec};
 use super::AnyConfig;
 use crate::pack::{
     ExpertLayout, ExpertWeights, GroupSize, LayerPack, PackFile, PackMeta, PackWriter, ScaleSearch,
 };
+use crate::QmoeError;
 
 /// How [`quantize_checkpoint`] packs the experts, and the source it records.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -151,9 +152,33 @@ pub fn quantize_checkpoint_to_file(
     opts: &QuantizeOptions,
     on_progress: &(dyn Fn(usize, usize) + Sync),
 ) -> crate::Result<PackMeta> {
+    refuse_overwriting_source(dir.as_ref(), path)?;
     let q = Quantizer::open(dir.as_ref(), opts)?;
     let done = AtomicUsize::new(0);
     let tick = ticker(q.total_experts(), &done, on_progress);
     PackWriter::write_streamed(path, &q.meta, &q.layers, |i| q.layer(i, &tick))?;
     Ok(q.meta)
+}
+
+/// Refuses a pack `path` that is one of the files the checkpoint in `dir` is read from (a
+/// shard, the shard index or `config.json`): the pack would replace it while it is read.
+fn refuse_overwriting_source(dir: &Path, path: &Path) -> crate::Result<()> {
+    let Ok(out) = path.canonicalize() else {
+        return Ok(()); // not there yet: nothing to overwrite
+    };
+    let mut sources = checkpoint_files(dir)?;
+    sources.extend([dir.join("config.json"), dir.join(INDEX_FILE)]);
+    if sources
+        .iter()
+        .any(|s| s.canonicalize().is_ok_and(|s| s == out))
+    {
+        return Err(QmoeError::InvalidArgument {
+            argument: "pack path".into(),
+            reason: format!(
+                "`{}` is a file of the checkpoint being quantized; write the pack elsewhere",
+                path.display()
+            ),
+        });
+    }
+    Ok(())
 }

@@ -259,9 +259,9 @@ impl PackFile {
     }
 
     fn open_as(path: &Path, in_memory: bool) -> crate::Result<Self> {
-        let io = |source| QmoeError::Io {
+        let io = |error| QmoeError::Io {
             path: path.to_path_buf(),
-            source,
+            error,
         };
         let file = std::fs::File::open(path).map_err(io)?;
         // SAFETY: the file is opened read-only and the map is never written; as with every

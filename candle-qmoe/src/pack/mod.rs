@@ -365,21 +365,35 @@ impl LayerPack {
             .ok_or_else(|| QmoeError::InvalidPack {
                 reason: format!("{num_experts} experts × {n} bytes overflow"),
             })?;
-        // SAFETY: all-zero bytes are valid `u8`s (and the zeroed gaps between a slab's regions
-        // are what `quantize_expert_into` expects).
-        let mut bytes: Arc<[u8]> = unsafe { Arc::new_zeroed_slice(total).assume_init() };
-        Arc::get_mut(&mut bytes)
-            .expect("a new Arc is unique")
-            .par_chunks_mut(n)
-            .enumerate()
-            .try_for_each_init(ExpertWeights::default, |weights, (e, slab)| {
+        // The last expert first: a config naming more experts than the checkpoint holds is
+        // refused by the missing tensor's name before the layer's memory is taken.
+        read(num_experts - 1, &mut ExpertWeights::default())?;
+        // Zeroed anonymous memory (the zeroed gaps between a slab's regions are what
+        // `quantize_expert_into` expects), taken fallibly: more than the system can give is an
+        // error, not an abort.
+        let mut bytes = memmap2::MmapOptions::new()
+            .len(total)
+            .map_anon()
+            .map_err(|e| QmoeError::OutOfMemory {
+                what: format!("the {num_experts} packed experts of `{name}`"),
+                needed: total,
+                reason: format!("the host refused the allocation ({e})"),
+            })?;
+        bytes.par_chunks_mut(n).enumerate().try_for_each_init(
+            ExpertWeights::default,
+            |weights, (e, slab)| {
                 read(e, weights)?;
                 let expert = ExpertNames::expert(name, e);
                 quantize_expert_into(&expert, names, weights, layout, search, slab)?;
                 on_expert();
                 Ok::<_, QmoeError>(())
-            })?;
-        let bytes = PackBytes::Owned(bytes);
+            },
+        )?;
+        let bytes = PackBytes::Anonymous(Arc::new(bytes.make_read_only().map_err(|e| {
+            QmoeError::InvalidPack {
+                reason: format!("cannot make the packed `{name}` read-only: {e}"),
+            }
+        })?));
         Self::checked(layout, num_experts, bytes, |b| {
             SlabChecks::computed(SlabOrigin::Memory(format!("`{name}`")), layout, b)
         })

@@ -8,11 +8,13 @@ use crate::models::ModelSpec;
 
 impl Plan {
     /// The components as an aligned table: name, min, max and, with a budget, the max's share
-    /// of it; a total row last.
+    /// of it (`>1000%` beyond ten times it); a total row last.
     pub fn table(&self, budget: Option<u64>) -> String {
+        // Shares beyond 10× the budget say nothing more than "far too large".
         let share = |bytes: u64| {
-            budget.map_or(String::new(), |b| {
-                format!(" {:>7.1}%", 100.0 * bytes as f64 / b as f64)
+            budget.map_or(String::new(), |b| match 100.0 * bytes as f64 / b as f64 {
+                s if s > 1000.0 => format!(" {:>8}", ">1000%"),
+                s => format!(" {s:>7.1}%"),
             })
         };
         let row = |name: &dyn Display, bytes: ByteRange| {

@@ -180,7 +180,7 @@ fn layer_of(name: &str) -> Option<usize> {
 /// Maps an I/O error while writing `path` to [`QmoeError::Write`] naming it.
 fn write_error(path: &Path) -> impl FnOnce(std::io::Error) -> QmoeError {
     let path = path.to_path_buf();
-    move |source| QmoeError::Write { path, source }
+    move |error| QmoeError::Write { path, error }
 }
 
 impl SyntheticCheckpoint {
@@ -204,9 +204,9 @@ impl SyntheticCheckpoint {
         on_progress: &(dyn Fn(u64, u64) + Sync),
     ) -> crate::Result<WrittenCheckpoint> {
         std::fs::create_dir_all(dir).map_err(write_error(dir))?;
-        let mut entries = std::fs::read_dir(dir).map_err(|source| QmoeError::Io {
+        let mut entries = std::fs::read_dir(dir).map_err(|error| QmoeError::Io {
             path: dir.to_path_buf(),
-            source,
+            error,
         })?;
         if entries.next().is_some() {
             return Err(QmoeError::InvalidArgument {
