@@ -277,20 +277,15 @@ impl ModelArgs {
         })
     }
 
-    /// `--vram-budget`: fits the memory plan to the budget and returns the experts per layer to
-    /// keep resident (`None` when all fit: no cache needed) and the context limit, or refuses
-    /// with the plan's breakdown before anything is loaded. Without a budget: `--resident` and
-    /// `--ctx`.
-    fn fit_budget(
-        &self,
-        dtype: DType,
-        device: &Device,
-    ) -> Result<(Option<Resident>, Option<usize>)> {
+    /// `--vram-budget`: fits `plan` (these flags' [`Self::plan`]) to the budget and returns the
+    /// experts per layer to keep resident (`None` when all fit: no cache needed) and the
+    /// context limit, or refuses with the plan's breakdown before anything is loaded. Without a
+    /// budget: `--resident` and `--ctx`.
+    fn fit_budget(&self, plan: &Plan) -> Result<(Option<Resident>, Option<usize>)> {
         let Some(budget) = self.vram_budget else {
             return Ok((self.resident.clone(), self.ctx));
         };
-        let fit = self
-            .plan(dtype, device)?
+        let fit = plan
             .fit(
                 budget,
                 &FitOptions {
@@ -338,19 +333,19 @@ impl ModelArgs {
     /// `2..=` the model's maximum context (a prompt token and a generated one), and through the
     /// memory plan `--resident` above the model's experts or below its top-k, or a per-layer list
     /// whose length is not the number of MoE layers.
-    pub fn check(&self, dtype: DType, device: &Device) -> Result<()> {
+    /// Returns that plan ([`Self::plan`]).
+    pub fn check(&self, dtype: DType, device: &Device) -> Result<Plan> {
         let max = self.config()?.common().max_position_embeddings;
         if let Some(ctx) = self.ctx.filter(|c| !(2..=max).contains(c)) {
             bail!("--ctx {ctx} must be in 2..={max} (the model's maximum context, max_position_embeddings)");
         }
-        self.plan(dtype, device)?;
-        Ok(())
+        self.plan(dtype, device)
     }
 
     /// Builds the model (synthetic or from a checkpoint) on `device`, after [`Self::check`].
     pub fn load(&self, dtype: DType, device: &Device) -> Result<Loaded> {
-        self.check(dtype, device)?;
-        let (resident, context_limit) = self.fit_budget(dtype, device)?;
+        let plan = self.check(dtype, device)?;
+        let (resident, context_limit) = self.fit_budget(&plan)?;
         let residency = self.residency_options(resident)?;
         let mut loaded = match self.synthetic {
             Some(kind) => load_synthetic(self, kind, residency, dtype, device)?,

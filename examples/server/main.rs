@@ -21,8 +21,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Result};
-use candle::{DType, Device};
-use candle_qmoe::plan;
+use candle::Device;
+use candle_qmoe::plan::{self, Plan};
 use candle_qmoe_suite::model::{Batching, Loaded, ModelArgs};
 use clap::Parser;
 use tokio::sync::mpsc;
@@ -70,8 +70,7 @@ struct Args {
 
 /// On the CPU without `--vram-budget`: refuses a start whose plan (weights, pack, KV cache of
 /// every slot, workspace) cannot fit the available memory even at its smallest; prints the plan.
-fn check_memory(model: &ModelArgs, dtype: DType, device: &Device) -> Result<()> {
-    let plan = model.plan(dtype, device)?;
+fn check_memory(plan: &Plan, device: &Device) -> Result<()> {
     println!("memory plan: {}", plan.summary());
     let available = candle_qmoe_suite::system::available_memory_bytes();
     if let (true, Some(available)) = (device.is_cpu(), available) {
@@ -108,9 +107,9 @@ fn main() -> Result<()> {
         sequences: args.parallel,
         step_tokens: args.prefill_chunk + args.parallel,
     };
-    args.model.check(dtype, &device)?;
+    let plan = args.model.check(dtype, &device)?;
     if args.model.vram_budget.is_none() {
-        check_memory(&args.model, dtype, &device)?;
+        check_memory(&plan, &device)?;
     }
     let loaded = args.model.load(dtype, &device)?;
     let stop_ids = loaded.stop_ids(loaded.chat_template.as_ref());

@@ -97,6 +97,12 @@ impl Quantizer {
         let names: Vec<[String; 3]> = (0..self.moe.num_experts)
             .map(|e| moe_names.expert_weights(layer, e))
             .collect();
+        // Every expert's tensors exist before the layer's memory is taken (header lookups, no
+        // data read): a config naming more experts than the checkpoint holds is refused by name,
+        // looked up from the last expert so the name shows the count the config claims.
+        for name in names.iter().rev().flatten() {
+            self.tensors.get(name)?;
+        }
         self.tensors
             .prefetch(names.iter().flatten().map(String::as_str));
         let read = |e: usize, w: &mut ExpertWeights| {

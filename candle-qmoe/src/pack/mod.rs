@@ -365,9 +365,6 @@ impl LayerPack {
             .ok_or_else(|| QmoeError::InvalidPack {
                 reason: format!("{num_experts} experts × {n} bytes overflow"),
             })?;
-        // The last expert first: a config naming more experts than the checkpoint holds is
-        // refused by the missing tensor's name before the layer's memory is taken.
-        read(num_experts - 1, &mut ExpertWeights::default())?;
         // Zeroed anonymous memory (the zeroed gaps between a slab's regions are what
         // `quantize_expert_into` expects), taken fallibly: more than the system can give is an
         // error, not an abort.
