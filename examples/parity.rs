@@ -1,7 +1,9 @@
 //! Compares a model folder with a golden file made by Hugging Face transformers (the fixture
 //! format of docs/architecture.md §7): per prompt, teacher-forced max |Δlogit|, mean KL and
 //! top-1 agreement over the prompt and the golden greedy continuation, how many greedy tokens (with the KV cache)
-//! match before the first divergence, and the router's top-k agreement. For people porting a
+//! match before the first divergence, and the router's top-k agreement. Then a verdict against
+//! bounds (`ParityBounds`: tight for a dense F32 port, looser for INT4 experts or BF16 compute,
+//! each overridable): it exits with status 1 naming every bound broken. For people porting a
 //! model: see docs/porting.md.
 //!
 //! ```text
@@ -15,7 +17,7 @@ use anyhow::{Context, Result};
 use candle::{DType, Device};
 use candle_qmoe::models::{self, AnyConfig, ExpertsBackend, MoeForCausalLm};
 use candle_qmoe::pack::{GroupSize, ScaleSearch};
-use candle_qmoe::parity::{compare, Golden};
+use candle_qmoe::parity::{compare, Golden, ParityBounds};
 use candle_qmoe_suite::model::output_path;
 use clap::{Parser, ValueEnum};
 use serde_json::json;
@@ -63,9 +65,35 @@ struct Args {
     /// Compute dtype of everything but the experts (default: f32, as the goldens).
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
     dtype: String,
-    /// Write the results as JSON.
+    /// Fail above this mean KL per prompt, nats (default: 1e-6 for dense F32 experts with F32
+    /// compute, else 5e-2).
+    #[arg(long)]
+    max_mean_kl: Option<f64>,
+    /// Fail below this top-1 agreement per prompt (default: 0.99 dense F32, else 0.5).
+    #[arg(long)]
+    min_top1: Option<f64>,
+    /// Fail below this router top-k agreement per prompt (default: 0.99 dense F32, else 0.8).
+    #[arg(long)]
+    min_router: Option<f64>,
+    /// Write the results as JSON (also when the verdict fails).
     #[arg(long, value_parser = output_path)]
     json: Option<PathBuf>,
+}
+
+impl Args {
+    /// The defaults of the backend and dtype, with any bound given on the command line.
+    fn bounds(&self) -> ParityBounds {
+        let base = if self.experts == Experts::F32 && self.dtype == "f32" {
+            ParityBounds::DENSE_F32
+        } else {
+            ParityBounds::QUANTIZED
+        };
+        ParityBounds {
+            max_mean_kl: self.max_mean_kl.unwrap_or(base.max_mean_kl),
+            min_top1: self.min_top1.unwrap_or(base.min_top1),
+            min_router: self.min_router.unwrap_or(base.min_router),
+        }
+    }
 }
 
 fn main() -> Result<()> {
@@ -87,6 +115,7 @@ fn main() -> Result<()> {
             },
         },
     };
+    let bounds = args.bounds();
     let golden = Golden::load(&args.golden)?;
     let config = AnyConfig::from_file(args.model_dir.join("config.json"))?;
     // SAFETY: the checkpoint is not modified while the model is alive.
@@ -122,6 +151,7 @@ fn main() -> Result<()> {
                 .map_or("n/a".to_string(), |a| format!("{a:.4}"))
         );
     }
+    let violations = bounds.violations(&results);
     if let Some(path) = &args.json {
         let out = json!({
             "model_dir": args.model_dir,
@@ -131,9 +161,25 @@ fn main() -> Result<()> {
             "group_size": (args.experts == Experts::Int4).then_some(group_size.get()),
             "dtype": args.dtype,
             "prompts": results,
+            "bounds": bounds,
+            "pass": violations.is_empty(),
+            "violations": violations,
         });
         std::fs::write(path, serde_json::to_string_pretty(&out)? + "\n")
             .with_context(|| format!("cannot write `{}`", path.display()))?;
     }
-    Ok(())
+    let bounds_line = format!(
+        "mean KL ≤ {:.1e}, top-1 ≥ {}, router ≥ {}, greedy divergences explained by the \
+         teacher-forced error",
+        bounds.max_mean_kl, bounds.min_top1, bounds.min_router
+    );
+    if violations.is_empty() {
+        println!("parity: pass ({bounds_line})");
+        Ok(())
+    } else {
+        anyhow::bail!(
+            "parity: FAIL ({bounds_line})\n  {}",
+            violations.join("\n  ")
+        )
+    }
 }

@@ -1,12 +1,15 @@
 //! `candle_qmoe::parity`, the metrics of the `parity` example: golden loading, the metric
-//! arithmetic, and perfect numbers for the dense F32 ports on the fixtures. (The INT4 thresholds
-//! are asserted with the same metrics in `model_parity.rs`.)
+//! arithmetic, perfect numbers for the dense F32 ports on the fixtures, and the verdict
+//! (`ParityBounds`) passing them and failing a broken port. (The INT4 thresholds are asserted
+//! with the same metrics and bounds in `model_parity.rs`.)
 
 use std::collections::HashMap;
 
 use candle::{DType, Device, Tensor};
 use candle_qmoe::models::{self, AnyConfig, ExpertsBackend, MoeForCausalLm};
-use candle_qmoe::parity::{compare, logit_agreement, router_agreement, Golden};
+use candle_qmoe::parity::{
+    compare, logit_agreement, router_agreement, Golden, ParityBounds, PromptParity,
+};
 use candle_qmoe::QmoeError;
 use candle_qmoe_suite::testing::{fixture_dir, FIXTURES};
 
@@ -98,7 +101,86 @@ fn dense_f32_parity_numbers_are_perfect() {
             assert_eq!(r.top1_agreement, 1.0, "{name} prompt{p}");
             assert_eq!(r.greedy_prefix_match, r.greedy_steps, "{name} prompt{p}");
             assert_eq!(r.router_agreement, Some(1.0), "{name} prompt{p}");
+            assert_eq!(r.greedy_divergence_margin, None, "{name} prompt{p}");
             assert_eq!(r.prompt_tokens, golden.prompts[p].input_ids.len());
         }
+        let results = compare(&mut model, &golden).unwrap();
+        assert_eq!(
+            ParityBounds::DENSE_F32.violations(&results),
+            Vec::<String>::new()
+        );
     }
+}
+
+/// A port with one classic defect — the RoPE base of another family (10⁴ ↔ 10⁶) — fails the
+/// dense verdict on every fixture: measured mean KL 6.5e-2–0.33 and top-1 0.29–0.47, beyond
+/// even the INT4 bounds.
+#[test]
+fn a_wrong_rope_base_fails_the_dense_verdict() {
+    for name in FIXTURES {
+        let dir = fixture_dir(name);
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        let theta = json["rope_theta"].as_f64().unwrap();
+        json["rope_theta"] = (if theta > 1e5 { 1e4 } else { 1e6 }).into();
+        let cfg = AnyConfig::from_json_str(&json.to_string()).unwrap();
+        let vb = unsafe { models::mmap_checkpoint(&dir, DType::F32, &Device::Cpu) }.unwrap();
+        let mut model = MoeForCausalLm::new(&cfg, vb, &ExpertsBackend::Dense).unwrap();
+        let golden = Golden::load(dir.join("golden.safetensors")).unwrap();
+        let results = compare(&mut model, &golden).unwrap();
+        let v = ParityBounds::DENSE_F32.violations(&results);
+        eprintln!("{name}: {v:?}");
+        assert!(v.iter().any(|l| l.contains("mean KL")), "{name}: {v:?}");
+    }
+}
+
+fn prompt(max_abs_diff: f64, margin: Option<f64>) -> PromptParity {
+    PromptParity {
+        prompt_tokens: 7,
+        max_abs_diff,
+        mean_kl: 1e-3,
+        top1_agreement: 0.9,
+        greedy_prefix_match: margin.map_or(24, |_| 5),
+        greedy_steps: 24,
+        greedy_divergence_margin: margin,
+        router_agreement: Some(0.9),
+    }
+}
+
+/// Each bound names its prompt; NaN fails every bound; a greedy divergence passes while the
+/// teacher-forced error explains it (margin ≤ 3 × max |Δlogit| + 1e-3) and fails beyond.
+#[test]
+fn verdict_names_every_broken_bound() {
+    let q = ParityBounds::QUANTIZED;
+    assert!(q
+        .violations(&[prompt(0.5, None), prompt(0.5, Some(1.4))])
+        .is_empty());
+    let v = q.violations(&[prompt(0.5, None), prompt(0.5, Some(1.6))]);
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert!(
+        v[0].starts_with("prompt1: greedy decoding diverged at step 5"),
+        "{v:?}"
+    );
+    let d = ParityBounds::DENSE_F32;
+    let v = d.violations(&[prompt(1e-5, Some(5e-4))]);
+    assert_eq!(
+        v.len(),
+        3,
+        "KL, top-1 and router, not the explained divergence: {v:?}"
+    );
+    assert!(v[0].contains("mean KL 1.000e-3 above 1.000e-6"), "{v:?}");
+    assert!(
+        v[1].contains("top-1 agreement 0.9000 below 0.9900"),
+        "{v:?}"
+    );
+    assert!(
+        v[2].contains("router agreement 0.9000 below 0.9900"),
+        "{v:?}"
+    );
+    let mut nan = prompt(f64::NAN, Some(f64::NAN));
+    nan.mean_kl = f64::NAN;
+    nan.top1_agreement = f64::NAN;
+    nan.router_agreement = Some(f64::NAN);
+    assert_eq!(q.violations(&[nan]).len(), 4);
 }
