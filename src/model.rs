@@ -520,20 +520,40 @@ impl Loaded {
 }
 
 /// The `eos_token_id` (a number or a list) of a config JSON.
-fn eos_ids(config: &serde_json::Value) -> Vec<u32> {
-    match &config["eos_token_id"] {
-        serde_json::Value::Number(n) => n.as_u64().map(|v| v as u32).into_iter().collect(),
-        serde_json::Value::Array(a) => a
-            .iter()
-            .filter_map(|v| v.as_u64())
-            .map(|v| v as u32)
-            .collect(),
-        _ => Vec::new(),
-    }
+/// The EOS ids a checkpoint file lists in `eos_token_id`: none when the file is absent; an
+/// error naming the file when it is not JSON (a silently lost EOS would run every reply to
+/// `--sample-len`).
+fn eos_ids_of_file(path: &std::path::Path) -> Result<Vec<u32>> {
+    let bytes = match std::fs::read(path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e).with_context(|| format!("cannot read `{}`", path.display())),
+    };
+    let json: serde_json::Value = serde_json::from_slice(&bytes)
+        .with_context(|| format!("`{}` is not valid JSON", path.display()))?;
+    eos_ids(&json, &format!("`{}`", path.display()))
 }
 
-fn read_json(path: &std::path::Path) -> Option<serde_json::Value> {
-    serde_json::from_slice(&std::fs::read(path).ok()?).ok()
+/// The ids of a config's `eos_token_id` (one id, a list, or none), each a whole number that
+/// fits a token id, or an error naming `source`.
+fn eos_ids(config: &serde_json::Value, source: &str) -> Result<Vec<u32>> {
+    let ids = match &config["eos_token_id"] {
+        serde_json::Value::Null => return Ok(Vec::new()),
+        serde_json::Value::Array(a) => a.clone(),
+        one => vec![one.clone()],
+    };
+    ids.iter()
+        .map(|v| {
+            v.as_u64()
+                .and_then(|id| u32::try_from(id).ok())
+                .with_context(|| {
+                    format!(
+                        "{source}: eos_token_id {v} is not a token id (a whole number, or a \
+                         list of them)"
+                    )
+                })
+        })
+        .collect()
 }
 
 fn load_synthetic(
@@ -597,7 +617,7 @@ fn load_synthetic(
         revision: format!("seed {}", args.synthetic_seed),
         instruct: true,
         chat_template: family.and_then(ChatTemplate::builtin),
-        eos: eos_ids(&kind.config_json()),
+        eos: eos_ids(&kind.config_json(), "the synthetic config")?,
         group_size: (args.experts == Experts::Int4).then_some(group.get()),
         residency: experts.residency().cloned(),
         context_limit: None,
@@ -773,10 +793,8 @@ fn load_checkpoint(
             ),
             None => "cannot build the model".to_string(),
         })?;
-    let mut eos = eos_ids(&read_json(&ckpt.dir.join("config.json")).unwrap_or_default());
-    eos.extend(eos_ids(
-        &read_json(&ckpt.dir.join("generation_config.json")).unwrap_or_default(),
-    ));
+    let mut eos = eos_ids_of_file(&ckpt.dir.join("config.json"))?;
+    eos.extend(eos_ids_of_file(&ckpt.dir.join("generation_config.json"))?);
     let name = ckpt.model_id.to_lowercase();
     let chat_template = ChatTemplate::from_checkpoint(&ckpt.dir)?
         .or_else(|| ChatTemplate::builtin(config.model_type()));

@@ -161,6 +161,32 @@ fn a_synthetic_checkpoint_folder_loads_back_to_the_same_model() {
         .load(DType::F32, &Device::Cpu, &synth.dense_experts(DType::F32))
         .unwrap();
     assert_eq!(logits(&mut dense, &ids), logits(&mut dense_ref, &ids));
+
+    // The EOS ids come from config.json and generation_config.json; a generation config that is
+    // not JSON, or an id that is not a token id, is refused naming the file (ignored, replies
+    // would run to --sample-len).
+    let eos = json(&dir.join("generation_config.json"))["eos_token_id"].as_u64();
+    assert_eq!(loaded.eos.first().map(|&id| id as u64), eos);
+    let generation_config = dir.join("generation_config.json");
+    for (text, says) in [
+        (r#"{"eos_token_id": 1,"#, "is not valid JSON"),
+        (
+            r#"{"eos_token_id": "</s>"}"#,
+            r#"eos_token_id "</s>" is not a token id"#,
+        ),
+        (
+            r#"{"eos_token_id": [1, -2]}"#,
+            "eos_token_id -2 is not a token id",
+        ),
+    ] {
+        std::fs::write(&generation_config, text).unwrap();
+        let e = cli.model.load(DType::F32, &Device::Cpu).err().unwrap();
+        let msg = format!("{e:#}");
+        assert!(
+            msg.contains("generation_config.json") && msg.contains(says),
+            "{text}: {msg}"
+        );
+    }
     std::fs::remove_dir_all(&tmp).unwrap();
 }
 
