@@ -110,3 +110,33 @@ fn a_panic_in_f_propagates_and_releases_the_workers() {
     });
     assert_eq!(after, squares_exact(1000));
 }
+
+/// Many short calls from outside the pool, each starting nested parallel work at once: a worker
+/// that steals part of `f`'s work before it starts polling must not then poll inside that work
+/// (the poller would wait for `f`'s end, `f` for the stolen work: a deadlock seen once in a
+/// `parity` run). Before the fix 50 000 calls deadlocked in 3 runs of 3; 100 000 take ~1 s.
+/// `QMOE_POOL_STRESS=N` sets the number of calls.
+#[test]
+fn a_worker_never_polls_on_top_of_work_stolen_from_f() {
+    let iters: usize = std::env::var("QMOE_POOL_STRESS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100_000);
+    let total = within(move || {
+        let pool = two_threads();
+        (0..iters)
+            .map(|_| {
+                pool.install(|| {
+                    with_workers_awake(|| {
+                        (0..8u64)
+                            .into_par_iter()
+                            .map(|i| squares(64 + i))
+                            .sum::<u64>()
+                    })
+                })
+            })
+            .sum::<u64>()
+    });
+    let once: u64 = (0..8u64).map(|i| squares_exact(64 + i)).sum();
+    assert_eq!(total, iters as u64 * once);
+}
