@@ -1,7 +1,8 @@
 //! Compares a model folder with a golden file made by Hugging Face transformers (the fixture
 //! format of docs/architecture.md §7): per prompt, teacher-forced max |Δlogit|, mean KL and
 //! top-1 agreement over the prompt and the golden greedy continuation, how many greedy tokens (with the KV cache)
-//! match before the first divergence, and the router's top-k agreement. Then a verdict against
+//! match before the first divergence, the router's top-k agreement, and how far decoding with the
+//! KV cache (fed the golden tokens) strays from the full forward. Then a verdict against
 //! bounds (`ParityBounds`: tight for a dense F32 port, looser for INT4 experts or BF16 compute,
 //! each overridable): it exits with status 1 naming every bound broken. For people porting a
 //! model: see docs/porting.md.
@@ -67,14 +68,18 @@ struct Args {
     dtype: String,
     /// Fail above this mean KL per prompt, nats (default: 1e-6 for dense F32 experts with F32
     /// compute, else 5e-2).
-    #[arg(long)]
+    #[arg(long, value_parser = non_negative)]
     max_mean_kl: Option<f64>,
     /// Fail below this top-1 agreement per prompt (default: 0.99 dense F32, else 0.5).
-    #[arg(long)]
+    #[arg(long, value_parser = fraction)]
     min_top1: Option<f64>,
     /// Fail below this router top-k agreement per prompt (default: 0.99 dense F32, else 0.8).
-    #[arg(long)]
+    #[arg(long, value_parser = fraction)]
     min_router: Option<f64>,
+    /// Fail where decoding with the KV cache differs from the full forward by more than this
+    /// fraction of the largest logit (default: 1e-4 dense F32, else 2e-2).
+    #[arg(long, value_parser = non_negative)]
+    max_cache_diff: Option<f64>,
     /// Write the results as JSON (also when the verdict fails).
     #[arg(long, value_parser = output_path)]
     json: Option<PathBuf>,
@@ -92,7 +97,24 @@ impl Args {
             max_mean_kl: self.max_mean_kl.unwrap_or(base.max_mean_kl),
             min_top1: self.min_top1.unwrap_or(base.min_top1),
             min_router: self.min_router.unwrap_or(base.min_router),
+            max_cache_relative_diff: self.max_cache_diff.unwrap_or(base.max_cache_relative_diff),
         }
+    }
+}
+
+/// A bound that is a number ≥ 0 (NaN would turn its check off).
+fn non_negative(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v >= 0.0 => Ok(v),
+        _ => Err(format!("`{s}` is not a number ≥ 0")),
+    }
+}
+
+/// A bound that is a fraction in [0, 1].
+fn fraction(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        _ => Err(format!("`{s}` is not a fraction in [0, 1]")),
     }
 }
 
@@ -135,12 +157,12 @@ fn main() -> Result<()> {
         args.golden.display()
     );
     println!(
-        "{:<8} {:>6} {:>12} {:>11} {:>8} {:>8} {:>8}",
-        "prompt", "tokens", "max|Δlogit|", "mean KL", "top-1", "greedy", "router"
+        "{:<8} {:>6} {:>12} {:>11} {:>8} {:>8} {:>8} {:>10}",
+        "prompt", "tokens", "max|Δlogit|", "mean KL", "top-1", "greedy", "router", "cache"
     );
     for (i, r) in results.iter().enumerate() {
         println!(
-            "{:<8} {:>6} {:>12.3e} {:>11.3e} {:>8.4} {:>8} {:>8}",
+            "{:<8} {:>6} {:>12.3e} {:>11.3e} {:>8.4} {:>8} {:>8} {:>10.2e}",
             format!("prompt{i}"),
             r.prompt_tokens,
             r.max_abs_diff,
@@ -148,7 +170,8 @@ fn main() -> Result<()> {
             r.top1_agreement,
             format!("{}/{}", r.greedy_prefix_match, r.greedy_steps),
             r.router_agreement
-                .map_or("n/a".to_string(), |a| format!("{a:.4}"))
+                .map_or("n/a".to_string(), |a| format!("{a:.4}")),
+            r.cache_relative_diff
         );
     }
     let violations = bounds.violations(&results);
@@ -169,9 +192,9 @@ fn main() -> Result<()> {
             .with_context(|| format!("cannot write `{}`", path.display()))?;
     }
     let bounds_line = format!(
-        "mean KL ≤ {:.1e}, top-1 ≥ {}, router ≥ {}, greedy divergences explained by the \
-         teacher-forced error",
-        bounds.max_mean_kl, bounds.min_top1, bounds.min_router
+        "mean KL ≤ {:.1e}, top-1 ≥ {}, router ≥ {}, KV-cache decode within {:.1e} of the \
+         largest logit",
+        bounds.max_mean_kl, bounds.min_top1, bounds.min_router, bounds.max_cache_relative_diff
     );
     if violations.is_empty() {
         println!("parity: pass ({bounds_line})");

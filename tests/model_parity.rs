@@ -176,9 +176,9 @@ const INT4_MAX_ABS: f64 = 2.5;
 ///   quantization error, not kernel error.
 /// * Top-1/top-2 logit gaps are small (median 0.06–0.2, minimum 0.006), so that noise flips the
 ///   argmax at 3–33% of positions (measured top-1 0.67–0.97) and greedy continuations diverge
-///   after 0–17 tokens; greedy identity is printed, not asserted, but each divergence must be
-///   explained by the teacher-forced error (`ParityBounds`: the golden's margin there ≤ 3 ×
-///   max |Δlogit| + 1e-3; measured ≤ 0.36 ×).
+///   after 0–17 tokens; greedy identity is printed, not asserted. The KV cache is checked
+///   instead against our own full forward (`ParityBounds`: a decode fed the golden tokens within
+///   2e-2 of the largest logit; INT4 measures ≤ 2.3e-3).
 /// * Bounds (`ParityBounds::QUANTIZED`, the `parity` example's default, and [`INT4_MAX_ABS`]):
 ///   top-1 ≥ 0.5, mean KL ≤ 5e-2, max |Δlogit| ≤ 2.5 — about 1.4–1.8× headroom over the worst prompt. A real
 ///   defect fails the first two by far: routing every token to the wrong experts (expert
