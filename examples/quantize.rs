@@ -74,15 +74,16 @@ struct Args {
     /// How group scales are chosen.
     #[arg(long, value_enum, default_value = "mse")]
     scale_search: Search,
-    /// Output .qmoe file (optional with --save-checkpoint, which alone only writes the folder).
-    #[arg(long, required_unless_present = "save_checkpoint", value_parser = output_path)]
+    /// Output .qmoe file (optional with --save-checkpoint, which alone only writes the folder;
+    /// it may lie inside that folder).
+    #[arg(long, required_unless_present = "save_checkpoint")]
     out: Option<PathBuf>,
     /// Overwrite an existing output file.
     #[arg(long)]
     force: bool,
     /// Append a JSON line with the run's evidence (device, load, commit, command, times, CPU
     /// time, peak RSS, sizes) to this file.
-    #[arg(long, value_parser = output_path)]
+    #[arg(long)]
     json: Option<PathBuf>,
 }
 
@@ -96,6 +97,17 @@ fn main() -> Result<()> {
     // clap does not enforce `requires` between these two (each requires the other).
     if args.save_checkpoint.is_some() && args.synthetic.is_none() {
         bail!("--save-checkpoint writes a --synthetic model: add --synthetic KIND (tiny, olmoe, qwen2moe, qwen3moe or mixtral)");
+    }
+    // Output files are checked before the work (`output_path`), except that their folder may be
+    // the --save-checkpoint folder, which is made first.
+    for path in [&args.out, &args.json].into_iter().flatten() {
+        let in_new_folder = args
+            .save_checkpoint
+            .as_deref()
+            .is_some_and(|dir| path.parent() == Some(dir) && !dir.exists());
+        if !in_new_folder {
+            output_path(&path.to_string_lossy()).map_err(anyhow::Error::msg)?;
+        }
     }
     let group_size = GroupSize::new(args.group_size)?;
     if let Some(out) = args.out.as_ref().filter(|o| o.exists() && !args.force) {

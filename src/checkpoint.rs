@@ -88,6 +88,13 @@ fn download(model_id: &str, revision: &str) -> Result<Checkpoint> {
             shards.sort_unstable();
             shards.dedup();
             for shard in shards {
+                // The hub client joins the name to its cache folder: nothing outside it.
+                if !candle_qmoe::models::checkpoint::is_shard_file_name(shard) {
+                    bail!(
+                        "the checkpoint index of `{model_id}` names shard `{shard}`, which is not \
+                         a file name inside the checkpoint folder"
+                    );
+                }
                 get(shard)?;
             }
         }

@@ -345,7 +345,14 @@ impl ModelArgs {
     /// Builds the model (synthetic or from a checkpoint) on `device`, after [`Self::check`].
     pub fn load(&self, dtype: DType, device: &Device) -> Result<Loaded> {
         let plan = self.check(dtype, device)?;
-        let (resident, context_limit) = self.fit_budget(&plan)?;
+        self.load_checked(&plan, dtype, device)
+    }
+
+    /// [`Self::load`] for a caller that has run [`Self::check`] itself with these flags, `dtype`
+    /// and `device` (the server, which also checks the plan against the device's memory): the
+    /// plan is not built again.
+    pub fn load_checked(&self, plan: &Plan, dtype: DType, device: &Device) -> Result<Loaded> {
+        let (resident, context_limit) = self.fit_budget(plan)?;
         let residency = self.residency_options(resident)?;
         let mut loaded = match self.synthetic {
             Some(kind) => load_synthetic(self, kind, residency, dtype, device)?,
@@ -764,8 +771,10 @@ fn load_checkpoint(
         args.revision.as_deref(),
     )?;
     let config = AnyConfig::from_file(ckpt.dir.join("config.json"))?;
-    // Before the weights: a missing tokenizer fails fast.
+    // Before the weights: a missing tokenizer or a damaged generation config fails fast.
     let tokenizer = crate::tokenizer::load_tokenizer(&ckpt.dir, config.model_type())?;
+    let mut eos = eos_ids_of_file(&ckpt.dir.join("config.json"))?;
+    eos.extend(eos_ids_of_file(&ckpt.dir.join("generation_config.json"))?);
     let mut cache = None;
     let (experts, group): (Box<dyn ExpertsLoader>, _) = match args.experts {
         Experts::Int4 => {
@@ -793,8 +802,6 @@ fn load_checkpoint(
             ),
             None => "cannot build the model".to_string(),
         })?;
-    let mut eos = eos_ids_of_file(&ckpt.dir.join("config.json"))?;
-    eos.extend(eos_ids_of_file(&ckpt.dir.join("generation_config.json"))?);
     let name = ckpt.model_id.to_lowercase();
     let chat_template = ChatTemplate::from_checkpoint(&ckpt.dir)?
         .or_else(|| ChatTemplate::builtin(config.model_type()));

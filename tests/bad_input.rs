@@ -790,7 +790,7 @@ fn an_integer_weight_is_refused_by_name() {
         matches!(&err, QmoeError::InvalidCheckpoint { .. })
             && msg.contains(name)
             && msg.contains("I16")
-            && msg.contains("floating-point"),
+            && msg.contains("weights must be F64, F32, BF16 or F16"),
         "{msg}"
     );
     std::fs::remove_dir_all(&dir).unwrap();
@@ -826,7 +826,12 @@ fn shards_outside_the_checkpoint_folder_are_refused() {
                 && msg.contains("not a file name inside"),
             "{shard}: {msg}"
         );
+        // The same rule guards the hub download of an index's shards.
+        assert!(!models::checkpoint::is_shard_file_name(&shard), "{shard}");
     }
+    assert!(models::checkpoint::is_shard_file_name(
+        "model-00001-of-00001.safetensors"
+    ));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -853,8 +858,8 @@ fn a_pack_is_not_written_over_its_own_checkpoint() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A config that claims far more experts than the checkpoint holds is refused naming the first
-/// missing tensor, before the (here 50 GB) layer would be allocated.
+/// A config that claims far more experts than the checkpoint holds is refused naming a missing
+/// tensor (the last expert's: the headers are searched from the end), before the (here 50 GB) layer would be allocated.
 #[test]
 fn more_experts_in_the_config_than_the_checkpoint_are_refused_by_name() {
     let dir = checkpoint_copy("olmoe-tiny", "too-many-experts");

@@ -164,7 +164,7 @@ fn a_synthetic_checkpoint_folder_loads_back_to_the_same_model() {
 
     // The EOS ids come from config.json and generation_config.json; a generation config that is
     // not JSON, or an id that is not a token id, is refused naming the file (ignored, replies
-    // would run to --sample-len).
+    // would run to --sample-len), before the experts are quantized.
     let eos = json(&dir.join("generation_config.json"))["eos_token_id"].as_u64();
     assert_eq!(loaded.eos.first().map(|&id| id as u64), eos);
     let generation_config = dir.join("generation_config.json");
@@ -180,12 +180,23 @@ fn a_synthetic_checkpoint_folder_loads_back_to_the_same_model() {
         ),
     ] {
         std::fs::write(&generation_config, text).unwrap();
+        // Refused before the experts are quantized: no new pack is written.
+        let new_pack = tmp.join("not-written.qmoe");
+        let cli = Cli::parse_from([
+            "test",
+            "--cpu",
+            "--model-dir",
+            dir.to_str().unwrap(),
+            "--pack",
+            new_pack.to_str().unwrap(),
+        ]);
         let e = cli.model.load(DType::F32, &Device::Cpu).err().unwrap();
         let msg = format!("{e:#}");
         assert!(
             msg.contains("generation_config.json") && msg.contains(says),
             "{text}: {msg}"
         );
+        assert!(!new_pack.exists(), "{text}: the pack was written first");
     }
     std::fs::remove_dir_all(&tmp).unwrap();
 }

@@ -111,7 +111,7 @@ fn main() -> Result<()> {
     if args.model.vram_budget.is_none() {
         check_memory(&plan, &device)?;
     }
-    let loaded = args.model.load(dtype, &device)?;
+    let loaded = args.model.load_checked(&plan, dtype, &device)?;
     let stop_ids = loaded.stop_ids(loaded.chat_template.as_ref());
     let ctx = loaded.context();
     let Loaded {

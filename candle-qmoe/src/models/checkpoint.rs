@@ -59,12 +59,7 @@ pub fn checkpoint_files(dir: impl AsRef<Path>) -> crate::Result<Vec<PathBuf>> {
     shards
         .into_iter()
         .map(|name| {
-            // A shard is a file of this folder: no path that leads out of it.
-            let mut parts = Path::new(name).components();
-            if !matches!(
-                (parts.next(), parts.next()),
-                (Some(std::path::Component::Normal(_)), None)
-            ) {
+            if !is_shard_file_name(name) {
                 return Err(bad_index(format!(
                     "shard `{name}` is not a file name inside the checkpoint folder"
                 )));
@@ -80,6 +75,16 @@ pub fn checkpoint_files(dir: impl AsRef<Path>) -> crate::Result<Vec<PathBuf>> {
             }
         })
         .collect()
+}
+
+/// Whether `name`, a shard named in a checkpoint index's `weight_map`, is a plain file name of
+/// the checkpoint folder: not absolute, no `..`, no subfolder (a path that could lead out of it).
+pub fn is_shard_file_name(name: &str) -> bool {
+    let mut parts = Path::new(name).components();
+    matches!(
+        (parts.next(), parts.next()),
+        (Some(std::path::Component::Normal(_)), None)
+    )
 }
 
 /// A VarBuilder over the memory-mapped checkpoint in `dir` (see [`checkpoint_files`]) that
@@ -129,8 +134,8 @@ impl NamedCheckpoint {
             other => Err(QmoeError::InvalidCheckpoint {
                 dir: self.dir.clone(),
                 reason: format!(
-                    "tensor `{name}` is stored as {other:?}, not a floating-point type \
-                     (F32, BF16 or F16)"
+                    "tensor `{name}` is stored as {other:?}; weights must be F64, F32, BF16 \
+                     or F16 (8-bit float and integer checkpoints are not supported)"
                 ),
             }
             .into()),

@@ -1,0 +1,109 @@
+//! The example binaries as a user runs them, for behaviour that lives in their `main`: the
+//! `parity` verdict's exit status, and `quantize --out` inside the `--save-checkpoint` folder.
+//! `cargo test` builds the examples next to this test's own profile folder; a partial run
+//! (`cargo test --test examples_cli`) needs `cargo build --examples` (with `--release` to match)
+//! first, and fails naming it otherwise.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use candle_qmoe_suite::testing::fixture_dir;
+
+/// The example binary `name` of this test's profile.
+fn example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    // target/<profile>/deps/<test> → target/<profile>/examples/<name>
+    let bin = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join(name);
+    assert!(
+        bin.is_file(),
+        "`{}` is missing: run `cargo build --examples` (with the tests' profile) first",
+        bin.display()
+    );
+    bin
+}
+
+fn run(name: &str, args: &[&str]) -> Output {
+    Command::new(example(name))
+        .args(args)
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap()
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+#[test]
+fn parity_exits_with_its_verdict() {
+    let dir = fixture_dir("olmoe-tiny");
+    let golden = dir.join("golden.safetensors");
+    let (dir, golden) = (dir.to_str().unwrap(), golden.to_str().unwrap());
+    let base = ["--model-dir", dir, "--golden", golden, "--experts", "int4"];
+    let pass = run("parity", &base);
+    assert!(pass.status.success(), "{}", text(&pass));
+    assert!(text(&pass).contains("parity: pass"), "{}", text(&pass));
+    // INT4 cannot reach the dense bound: exit status 1, naming the bound of each prompt.
+    let fail = run("parity", &[&base[..], &["--max-mean-kl", "1e-6"]].concat());
+    let out = text(&fail);
+    assert_eq!(fail.status.code(), Some(1), "{out}");
+    assert!(
+        out.contains("parity: FAIL")
+            && out.contains("prompt0: mean KL")
+            && out.contains("prompt1: mean KL"),
+        "{out}"
+    );
+    // A bound that would switch its check off is refused.
+    let nan = run("parity", &[&base[..], &["--min-top1", "nan"]].concat());
+    assert_eq!(nan.status.code(), Some(2), "{}", text(&nan));
+}
+
+#[test]
+fn quantize_writes_its_pack_into_the_folder_it_creates() {
+    let tmp = std::env::temp_dir().join(format!("qmoe-examples-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+    let folder = tmp.join("tiny");
+    let pack = folder.join("tiny.qmoe");
+    let out = run(
+        "quantize",
+        &[
+            "--synthetic",
+            "tiny",
+            "--save-checkpoint",
+            folder.to_str().unwrap(),
+            "--out",
+            pack.to_str().unwrap(),
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(pack.is_file() && folder.join("config.json").is_file());
+    // A folder that does not exist and is not the one being created is still refused up front.
+    let other = tmp.join("other");
+    let missing = tmp.join("missing").join("x.qmoe");
+    let out = run(
+        "quantize",
+        &[
+            "--synthetic",
+            "tiny",
+            "--save-checkpoint",
+            other.to_str().unwrap(),
+            "--out",
+            missing.to_str().unwrap(),
+        ],
+    );
+    assert!(!out.status.success());
+    assert!(text(&out).contains("does not exist"), "{}", text(&out));
+    assert!(!other.exists(), "nothing written before the refusal");
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
