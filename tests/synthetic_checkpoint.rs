@@ -52,6 +52,20 @@ struct Cli {
     model: ModelArgs,
 }
 
+impl Cli {
+    /// `--cpu --model-dir DIR --pack PACK`.
+    fn for_folder(dir: &Path, pack: &Path) -> Self {
+        Self::parse_from([
+            "test",
+            "--cpu",
+            "--model-dir",
+            dir.to_str().unwrap(),
+            "--pack",
+            pack.to_str().unwrap(),
+        ])
+    }
+}
+
 #[test]
 fn a_synthetic_checkpoint_folder_loads_back_to_the_same_model() {
     let tmp = temp_dir("tiny");
@@ -119,14 +133,7 @@ fn a_synthetic_checkpoint_folder_loads_back_to_the_same_model() {
     // The `--model-dir` path of the examples: the pack is created from the folder (streaming),
     // then the model is built from the mapped shards and the pack, with the folder's tokenizer.
     let pack_path = tmp.join("tiny.qmoe");
-    let cli = Cli::parse_from([
-        "test",
-        "--cpu",
-        "--model-dir",
-        dir.to_str().unwrap(),
-        "--pack",
-        pack_path.to_str().unwrap(),
-    ]);
+    let cli = Cli::for_folder(&dir, &pack_path);
     let mut loaded = cli.model.load(DType::F32, &Device::Cpu).unwrap();
     let ids = loaded
         .encode("Mixture of experts, one layer at a time.", None)
@@ -182,14 +189,7 @@ fn a_synthetic_checkpoint_folder_loads_back_to_the_same_model() {
         std::fs::write(&generation_config, text).unwrap();
         // Refused before the experts are quantized: no new pack is written.
         let new_pack = tmp.join("not-written.qmoe");
-        let cli = Cli::parse_from([
-            "test",
-            "--cpu",
-            "--model-dir",
-            dir.to_str().unwrap(),
-            "--pack",
-            new_pack.to_str().unwrap(),
-        ]);
+        let cli = Cli::for_folder(&dir, &new_pack);
         let e = cli.model.load(DType::F32, &Device::Cpu).err().unwrap();
         let msg = format!("{e:#}");
         assert!(
