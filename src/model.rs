@@ -526,7 +526,6 @@ impl Loaded {
     }
 }
 
-/// The `eos_token_id` (a number or a list) of a config JSON.
 /// The EOS ids a checkpoint file lists in `eos_token_id`: none when the file is absent; an
 /// error naming the file when it is not JSON (a silently lost EOS would run every reply to
 /// `--sample-len`).
@@ -546,8 +545,8 @@ fn eos_ids_of_file(path: &std::path::Path) -> Result<Vec<u32>> {
 fn eos_ids(config: &serde_json::Value, source: &str) -> Result<Vec<u32>> {
     let ids = match &config["eos_token_id"] {
         serde_json::Value::Null => return Ok(Vec::new()),
-        serde_json::Value::Array(a) => a.clone(),
-        one => vec![one.clone()],
+        serde_json::Value::Array(a) => a.as_slice(),
+        one => std::slice::from_ref(one),
     };
     ids.iter()
         .map(|v| {

@@ -4,7 +4,7 @@
 //! (`cargo test --test examples_cli`) needs `cargo build --examples` (with `--release` to match)
 //! first, and fails naming it otherwise.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use candle_qmoe_suite::testing::fixture_dir;
@@ -68,6 +68,22 @@ fn parity_exits_with_its_verdict() {
     assert_eq!(nan.status.code(), Some(2), "{}", text(&nan));
 }
 
+/// `quantize --synthetic tiny --save-checkpoint FOLDER --out PACK`.
+fn save_and_quantize_tiny(folder: &Path, pack: &Path) -> Output {
+    let (folder, pack) = (folder.to_str().unwrap(), pack.to_str().unwrap());
+    run(
+        "quantize",
+        &[
+            "--synthetic",
+            "tiny",
+            "--save-checkpoint",
+            folder,
+            "--out",
+            pack,
+        ],
+    )
+}
+
 #[test]
 fn quantize_writes_its_pack_into_the_folder_it_creates() {
     let tmp = std::env::temp_dir().join(format!("qmoe-examples-cli-{}", std::process::id()));
@@ -75,33 +91,13 @@ fn quantize_writes_its_pack_into_the_folder_it_creates() {
     std::fs::create_dir_all(&tmp).unwrap();
     let folder = tmp.join("tiny");
     let pack = folder.join("tiny.qmoe");
-    let out = run(
-        "quantize",
-        &[
-            "--synthetic",
-            "tiny",
-            "--save-checkpoint",
-            folder.to_str().unwrap(),
-            "--out",
-            pack.to_str().unwrap(),
-        ],
-    );
+    let out = save_and_quantize_tiny(&folder, &pack);
     assert!(out.status.success(), "{}", text(&out));
     assert!(pack.is_file() && folder.join("config.json").is_file());
     // A folder that does not exist and is not the one being created is still refused up front.
     let other = tmp.join("other");
     let missing = tmp.join("missing").join("x.qmoe");
-    let out = run(
-        "quantize",
-        &[
-            "--synthetic",
-            "tiny",
-            "--save-checkpoint",
-            other.to_str().unwrap(),
-            "--out",
-            missing.to_str().unwrap(),
-        ],
-    );
+    let out = save_and_quantize_tiny(&other, &missing);
     assert!(!out.status.success());
     assert!(text(&out).contains("does not exist"), "{}", text(&out));
     assert!(!other.exists(), "nothing written before the refusal");

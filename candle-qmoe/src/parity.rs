@@ -360,15 +360,17 @@ pub fn compare_prompt(
         .zip(&golden.greedy_ids)
         .take_while(|(a, b)| a == b)
         .count();
+    // `greedy` has the golden's length (`forced_decode` proved the context holds it), so a
+    // token at the first mismatch means a divergence.
     let greedy_divergence_margin = match greedy.get(greedy_prefix_match) {
-        Some(&token) if greedy_prefix_match < steps => {
+        Some(&token) => {
             let row = golden.greedy_step_logits.get(greedy_prefix_match)?;
             let logit = |t: u32| -> candle::Result<f64> {
                 Ok(row.get(t as usize)?.to_scalar::<f32>()? as f64)
             };
             Some(logit(golden.greedy_ids[greedy_prefix_match])? - logit(token)?)
         }
-        _ => None,
+        None => None,
     };
     Ok(PromptParity {
         prompt_tokens: len,
