@@ -78,6 +78,16 @@ pub enum ChatError {
         /// The template's own message.
         message: String,
     },
+    /// The template rendered the conversation as nothing but whitespace (it does not read
+    /// `messages`): there would be no prompt to answer.
+    #[error(
+        "the chat template of {origin} renders the conversation as empty text (it does not \
+         read `messages`)"
+    )]
+    Empty {
+        /// The file (or built-in) the template came from.
+        origin: String,
+    },
 }
 
 /// The error `raise_exception` attaches, so that a refusal is told from other render errors.
@@ -273,7 +283,7 @@ impl ChatTemplate {
     /// Renders `messages` as transformers' `apply_chat_template(messages, tokenize=False,
     /// add_generation_prompt=…, **variables)` does: the template sees `messages`,
     /// `add_generation_prompt`, `tools` and `documents` (none), the special tokens, and
-    /// `variables` (which override the rest).
+    /// `variables` (which override the rest). Messages rendered as empty text are an error.
     pub fn render(
         &self,
         messages: &[Message],
@@ -293,7 +303,7 @@ impl ChatTemplate {
             .env
             .get_template(&self.origin)
             .expect("the environment holds the template under its origin");
-        template
+        let text = template
             .render(minijinja::Value::from(Serde(&context)))
             .map_err(|e| match raised(&e) {
                 Some(message) => ChatError::Refused {
@@ -305,7 +315,13 @@ impl ChatTemplate {
                     line: e.line().unwrap_or(0),
                     detail: detail(&e),
                 },
-            })
+            })?;
+        if text.trim().is_empty() && !messages.is_empty() {
+            return Err(ChatError::Empty {
+                origin: self.origin.clone(),
+            });
+        }
+        Ok(text)
     }
 }
 

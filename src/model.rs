@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use candle::{DType, Device};
 use candle_qmoe::kernels::cpu::DecodeActivations;
 use candle_qmoe::models::{
@@ -527,9 +527,9 @@ impl Loaded {
 }
 
 /// The EOS ids a checkpoint file lists in `eos_token_id`: none when the file is absent; an
-/// error naming the file when it is not JSON (a silently lost EOS would run every reply to
-/// `--sample-len`).
-fn eos_ids_of_file(path: &std::path::Path) -> Result<Vec<u32>> {
+/// error naming the file when it is not JSON or an id is not in the model's `vocab` (a silently
+/// lost EOS would run every reply to `--sample-len`).
+fn eos_ids_of_file(path: &std::path::Path, vocab: usize) -> Result<Vec<u32>> {
     let bytes = match std::fs::read(path) {
         Ok(bytes) => bytes,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -537,12 +537,12 @@ fn eos_ids_of_file(path: &std::path::Path) -> Result<Vec<u32>> {
     };
     let json: serde_json::Value = serde_json::from_slice(&bytes)
         .with_context(|| format!("`{}` is not valid JSON", path.display()))?;
-    eos_ids(&json, &format!("`{}`", path.display()))
+    eos_ids(&json, &format!("`{}`", path.display()), vocab)
 }
 
-/// The ids of a config's `eos_token_id` (one id, a list, or none), each a whole number that
-/// fits a token id, or an error naming `source`.
-fn eos_ids(config: &serde_json::Value, source: &str) -> Result<Vec<u32>> {
+/// The ids of a config's `eos_token_id` (one id, a list, or none), each a token id below
+/// `vocab` (the model could never generate another), or an error naming `source`.
+fn eos_ids(config: &serde_json::Value, source: &str, vocab: usize) -> Result<Vec<u32>> {
     let ids = match &config["eos_token_id"] {
         serde_json::Value::Null => return Ok(Vec::new()),
         serde_json::Value::Array(a) => a.as_slice(),
@@ -557,6 +557,14 @@ fn eos_ids(config: &serde_json::Value, source: &str) -> Result<Vec<u32>> {
                         "{source}: eos_token_id {v} is not a token id (a whole number, or a \
                          list of them)"
                     )
+                })
+                .and_then(|id| {
+                    ensure!(
+                        (id as usize) < vocab,
+                        "{source}: eos_token_id {id} is beyond the model's vocabulary \
+                         (vocab_size {vocab}): it could never be generated"
+                    );
+                    Ok(id)
                 })
         })
         .collect()
@@ -616,6 +624,11 @@ fn load_synthetic(
         }
     };
     let model = synth.load(dtype, device, &experts)?;
+    let eos = eos_ids(
+        &kind.config_json(),
+        "the synthetic config",
+        model.spec().vocab_size,
+    )?;
     Ok(Loaded {
         model,
         tokenizer,
@@ -623,7 +636,7 @@ fn load_synthetic(
         revision: format!("seed {}", args.synthetic_seed),
         instruct: true,
         chat_template: family.and_then(ChatTemplate::builtin),
-        eos: eos_ids(&kind.config_json(), "the synthetic config")?,
+        eos,
         group_size: (args.experts == Experts::Int4).then_some(group.get()),
         residency: experts.residency().cloned(),
         context_limit: None,
@@ -772,8 +785,12 @@ fn load_checkpoint(
     let config = AnyConfig::from_file(ckpt.dir.join("config.json"))?;
     // Before the weights: a missing tokenizer or a damaged generation config fails fast.
     let tokenizer = crate::tokenizer::load_tokenizer(&ckpt.dir, config.model_type())?;
-    let mut eos = eos_ids_of_file(&ckpt.dir.join("config.json"))?;
-    eos.extend(eos_ids_of_file(&ckpt.dir.join("generation_config.json"))?);
+    let vocab = config.spec()?.vocab_size;
+    let mut eos = eos_ids_of_file(&ckpt.dir.join("config.json"), vocab)?;
+    eos.extend(eos_ids_of_file(
+        &ckpt.dir.join("generation_config.json"),
+        vocab,
+    )?);
     let mut cache = None;
     let (experts, group): (Box<dyn ExpertsLoader>, _) = match args.experts {
         Experts::Int4 => {

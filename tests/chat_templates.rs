@@ -276,6 +276,16 @@ fn bad_templates_are_errors_naming_the_file() {
         "{err}"
     );
 
+    // Renders, but not the messages: no prompt is left to answer.
+    let template = load(serde_json::json!({"chat_template": "{# no messages #}  \n"})).unwrap();
+    let err = template
+        .render(&[Message::user("hi")], true, &Variables::new())
+        .unwrap_err();
+    assert!(
+        matches!(err, ChatError::Empty { .. }) && names_file(&err),
+        "{err}"
+    );
+
     // Not JSON; a chat_template of the wrong type.
     std::fs::write(dir.join("tokenizer_config.json"), "{\"chat_template\": ").unwrap();
     let err = ChatTemplate::from_checkpoint(&dir).unwrap_err();

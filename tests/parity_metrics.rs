@@ -85,6 +85,30 @@ fn golden_files_are_checked() {
     );
 }
 
+/// A golden file of a model with another vocabulary is refused before any forward, saying
+/// which side has which vocabulary.
+#[test]
+fn a_golden_of_another_vocabulary_is_refused() {
+    let dir = fixture_dir("olmoe-tiny");
+    let path = dir.join("golden.safetensors");
+    let mut tensors: HashMap<String, Tensor> =
+        candle::safetensors::load(&path, &Device::Cpu).unwrap();
+    for key in ["prompt0.logits", "prompt0.greedy_step_logits"] {
+        let narrowed = tensors[key].narrow(1, 0, 256).unwrap();
+        tensors.insert(key.into(), narrowed);
+    }
+    tensors.retain(|k, _| k.starts_with("prompt0."));
+    let golden = Golden::from_tensors(tensors).unwrap();
+    let cfg = AnyConfig::from_file(dir.join("config.json")).unwrap();
+    let vb = unsafe { models::mmap_checkpoint(&dir, DType::F32, &Device::Cpu) }.unwrap();
+    let mut model = MoeForCausalLm::new(&cfg, vb, &ExpertsBackend::Dense).unwrap();
+    let err = compare(&mut model, &golden).unwrap_err().to_string();
+    assert!(
+        err.contains("golden logits are over 256 tokens, the model's vocab_size is 512"),
+        "{err}"
+    );
+}
+
 /// The dense F32 ports reproduce transformers: within 1e-3 everywhere (measured ≈ 5e-6), every
 /// argmax, every greedy token and every router top-k set.
 #[test]

@@ -406,7 +406,15 @@ fn residency_is_checked() {
         staging_buffers: 0,
         ..olmoe_cuda_options()
     };
-    assert!(Plan::new(&s, &no_staging).is_err());
+    let err = Plan::new(&s, &no_staging).unwrap_err().to_string();
+    assert!(err.contains("staging buffer"), "{err}");
+    // A batch whose KV cache is beyond 2^64 bytes is refused instead of printed saturated.
+    let huge_batch = PlanOptions {
+        batch: usize::MAX,
+        ..olmoe_cuda_options()
+    };
+    let err = Plan::new(&s, &huge_batch).unwrap_err().to_string();
+    assert!(err.contains("more than 2^64 bytes"), "{err}");
 }
 
 #[test]

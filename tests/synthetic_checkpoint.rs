@@ -170,8 +170,8 @@ fn a_synthetic_checkpoint_folder_loads_back_to_the_same_model() {
     assert_eq!(logits(&mut dense, &ids), logits(&mut dense_ref, &ids));
 
     // The EOS ids come from config.json and generation_config.json; a generation config that is
-    // not JSON, or an id that is not a token id, is refused naming the file (ignored, replies
-    // would run to --sample-len), before the experts are quantized.
+    // not JSON, or an id that is not a token id of the model's vocabulary, is refused naming the
+    // file (ignored, replies would run to --sample-len), before the experts are quantized.
     let eos = json(&dir.join("generation_config.json"))["eos_token_id"].as_u64();
     assert_eq!(loaded.eos.first().map(|&id| id as u64), eos);
     let generation_config = dir.join("generation_config.json");
@@ -184,6 +184,10 @@ fn a_synthetic_checkpoint_folder_loads_back_to_the_same_model() {
         (
             r#"{"eos_token_id": [1, -2]}"#,
             "eos_token_id -2 is not a token id",
+        ),
+        (
+            r#"{"eos_token_id": [1, 4000000]}"#,
+            "eos_token_id 4000000 is beyond the model's vocabulary (vocab_size",
         ),
     ] {
         std::fs::write(&generation_config, text).unwrap();

@@ -319,6 +319,14 @@ pub fn compare_prompt(
     if steps == 0 || len == 0 {
         return Err(golden_err("a prompt needs input ids and greedy ids".into()).into());
     }
+    let (golden_vocab, vocab) = (golden.logits.dim(1)?, model.spec().vocab_size);
+    if golden_vocab != vocab {
+        return Err(golden_err(format!(
+            "the golden logits are over {golden_vocab} tokens, the model's vocab_size is \
+             {vocab}: the golden file is of another model"
+        ))
+        .into());
+    }
     let mut seq = golden.input_ids.clone();
     seq.extend(&golden.greedy_ids[..steps - 1]);
     let reference = Tensor::cat(

@@ -333,7 +333,7 @@ impl Plan {
     /// Predicts the memory of `spec` under `options`; an error for a model that is not valid
     /// or options it cannot run with (context beyond `max_position_embeddings`, residency below
     /// top-k or above the expert count, partial residency of dense experts, unsupported dtypes,
-    /// zero sizes).
+    /// zero sizes, sizes beyond `u64`).
     pub fn new(spec: &ModelSpec, options: &PlanOptions) -> candle::Result<Self> {
         spec.validate()?;
         Ok(Self::estimate(spec, options)?)
@@ -450,6 +450,15 @@ impl Plan {
                 ByteRange::exact(pack_source.saturating_add(staging)) + o.target.host_baseline()
             }
         };
+        // Sizes saturate instead of overflowing; a saturated one is no prediction at all.
+        let total: ByteRange = components.iter().map(|c| c.bytes).sum();
+        if total.max == u64::MAX || process_rss.max == u64::MAX {
+            return Err(plan_err(format!(
+                "batch {} × context {ctx} × prefill chunk {} needs more than 2^64 bytes: no \
+                 machine can hold it",
+                o.batch, o.prefill_chunk
+            )));
+        }
         let host = vec![
             exact(Component::PackSource, pack_source),
             ComponentBytes {
