@@ -163,6 +163,39 @@ pub fn reference_f64_rounding_acts(
     out
 }
 
+/// Largest `|a − b|` in f64; infinite when a value is not finite (so a NaN can never pass a
+/// `<` bound, as it would through `f64::max`). Panics on slices of different lengths.
+pub fn max_abs_diff<A: Copy + Into<f64>, B: Copy + Into<f64>>(a: &[A], b: &[B]) -> f64 {
+    assert_eq!(
+        a.len(),
+        b.len(),
+        "max_abs_diff of slices of different lengths"
+    );
+    a.iter().zip(b).fold(0.0, |m, (&x, &y)| {
+        let d = (x.into() - y.into()).abs();
+        if d.is_finite() {
+            m.max(d)
+        } else {
+            f64::INFINITY
+        }
+    })
+}
+
+/// [`max_abs_diff`] of two tensors of one shape (any float dtype, any device).
+pub fn max_abs_diff_tensors(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(
+        a.dims(),
+        b.dims(),
+        "max_abs_diff of tensors of different shapes"
+    );
+    max_abs_diff(&to_f64(a), &to_f64(b))
+}
+
+/// Whether `a` and `b` hold the same F32 values bit for bit (and as many of them).
+pub fn bit_identical(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
 /// `‖a − b‖ / ‖b‖`, accumulated in f64.
 pub fn rel_err<A: Copy + Into<f64>, B: Copy + Into<f64>>(a: &[A], b: &[B]) -> f64 {
     assert_eq!(a.len(), b.len(), "rel_err of slices of different lengths");

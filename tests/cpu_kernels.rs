@@ -9,7 +9,7 @@ use candle_qmoe::kernels::cpu::CpuIsa;
 use candle_qmoe::kernels::dense::{bf16_matmul, int8_matmul, Int8Matrix, INT8_GROUP};
 use candle_qmoe::models::layers::RmsNorm;
 use candle_qmoe::DenseLinear;
-use candle_qmoe_suite::testing::{isa_trials, Rng};
+use candle_qmoe_suite::testing::{isa_trials, max_abs_diff, max_abs_diff_tensors, Rng};
 use half::{bf16, f16};
 use libtest_mimic::{Arguments, Trial};
 
@@ -202,16 +202,7 @@ fn dense_linear_matches_candle_f32() {
         ),
     );
     let want = f32_lin.forward(&xt).unwrap();
-    let diff = (got - want)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let diff = max_abs_diff_tensors(&got, &want);
     // Both are F32 sums of the same exact products: k · 2⁻²⁴ · Σ|x·w| ≤ 320 · 6e-8 · ~20.
     assert!(diff < 5e-4, "DenseLinear vs Candle F32: max diff {diff}");
     // The portable path is selectable and gives the same values within the same bound.
@@ -377,11 +368,7 @@ fn attention_case(
         // moves each softmax weight by that relative amount (the SIMD path's exp adds ~2 ulp);
         // outputs are convex combinations of values of size ~1, so 1e-4 absolute is a safe
         // bound.
-        let err = got
-            .iter()
-            .zip(&want)
-            .map(|(&g, &w)| (g as f64 - w).abs())
-            .fold(0f64, f64::max);
+        let err = max_abs_diff(&got, &want);
         assert!(
             err < 1e-4,
             "{isa:?} {dtype:?} d {d} s {s} at length {len}: max error {err:e}"

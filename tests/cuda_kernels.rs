@@ -32,6 +32,7 @@ use candle_qmoe::pack::{ExpertLayout, GroupSize};
 use candle_qmoe::residency::{HybridMode, Residency, ResidencyOptions, Resident};
 use candle_qmoe::synthetic::{gaussian, random_layer_pack, random_routing};
 use candle_qmoe::{DenseExperts, Int4Experts, RoutedExperts, SparseMoe};
+use candle_qmoe_suite::testing::{bit_identical, rel_err};
 use libtest_mimic::{Arguments, Failed, Trial};
 
 /// How a case's expert ids are drawn.
@@ -93,16 +94,6 @@ impl Case {
             _ => 1e-4,
         }
     }
-}
-
-fn rel_err(got: &[f32], want: &[f32]) -> f64 {
-    let num: f64 = got
-        .iter()
-        .zip(want)
-        .map(|(&a, &b)| (a as f64 - b as f64).powi(2))
-        .sum();
-    let den: f64 = want.iter().map(|&b| (b as f64).powi(2)).sum();
-    (num / den.max(f64::MIN_POSITIVE)).sqrt()
 }
 
 fn run_case(dev: &Device, c: Case, seed: u64) -> Result<(), Failed> {
@@ -408,11 +399,7 @@ fn run_resident(
         let got = as_f32(cached.forward(&x, &ids, &w)?)?;
         match hybrid {
             HybridMode::Off => {
-                if got
-                    .iter()
-                    .zip(&want)
-                    .any(|(a, b)| a.to_bits() != b.to_bits())
-                {
+                if !bit_identical(&got, &want) {
                     return Err(format!(
                         "step {step}: output differs from full residency (rel err {:.2e})",
                         rel_err(&got, &want)

@@ -24,11 +24,34 @@ fn logit_agreement_arithmetic() {
     assert_eq!(shifted.top1, 1.0);
     assert!((shifted.max_abs_diff - 0.25).abs() < 1e-6);
     assert!(shifted.mean_kl.abs() < 1e-9);
-    // One row's argmax flips: half agree, KL > 0.
-    let b = Tensor::new(&[[1f32, 2.0, 3.0], [0.1, 0.5, -1.0]], &Device::Cpu).unwrap();
+    // One row changes and its argmax flips: half agree; the mean KL is KL(reference ‖ ours) of
+    // that row over two rows, computed here by the definition in f64 (0.430 / 2). The change is
+    // asymmetric: KL(ours ‖ reference) is 0.390, so a swapped direction would show.
+    let b = Tensor::new(&[[1f32, 2.0, 3.0], [0.5, 2.0, -1.0]], &Device::Cpu).unwrap();
     let m = logit_agreement(&b, &a).unwrap();
     assert_eq!(m.top1, 0.5);
-    assert!(m.mean_kl > 0.0);
+    assert!((m.max_abs_diff - 1.9).abs() < 1e-6, "{m:?}");
+    let log_softmax = |r: [f64; 3]| {
+        let z: f64 = r.iter().map(|v| v.exp()).sum();
+        r.map(|v| v - z.ln())
+    };
+    let kl = |p: [f64; 3], q: [f64; 3]| {
+        let (lp, lq) = (log_softmax(p), log_softmax(q));
+        (0..3).map(|i| lp[i].exp() * (lp[i] - lq[i])).sum::<f64>()
+    };
+    let (reference, ours) = ([0.5, 0.1, -1.0], [0.5, 2.0, -1.0]);
+    assert!(
+        (m.mean_kl - kl(reference, ours) / 2.0).abs() < 1e-7,
+        "{m:?}"
+    );
+    assert!((kl(ours, reference) - kl(reference, ours)).abs() > 0.03);
+    // A NaN logit fails every bound: the difference is infinite and the KL NaN.
+    let nan = Tensor::new(&[[1f32, f32::NAN, 3.0], [0.5, 0.1, -1.0]], &Device::Cpu).unwrap();
+    let m = logit_agreement(&nan, &a).unwrap();
+    assert!(
+        m.max_abs_diff == f64::INFINITY && m.mean_kl.is_nan(),
+        "{m:?}"
+    );
     let e = logit_agreement(&a, &a.narrow(1, 0, 2).unwrap()).unwrap_err();
     assert!(
         matches!(QmoeError::find(&e), Some(QmoeError::ShapeMismatch { got, expected, .. })
@@ -79,9 +102,10 @@ fn golden_files_are_checked() {
         Golden::from_tensors(HashMap::new()),
         "no `prompt0.input_ids`",
     );
-    invalid(
-        Golden::load(fixture_dir("olmoe-tiny").join("nope.safetensors")),
-        "",
+    let e = Golden::load(fixture_dir("olmoe-tiny").join("nope.safetensors")).err();
+    assert!(
+        matches!(&e, Some(QmoeError::InvalidFile { file, .. }) if file.contains("nope.safetensors")),
+        "{e:?}"
     );
 }
 

@@ -14,6 +14,7 @@ use candle_qmoe::residency::{
 };
 use candle_qmoe::synthetic::{random_layer_pack, random_routing, SyntheticKind, SyntheticModel};
 use candle_qmoe::{Int4Experts, QmoeError, RoutedExperts};
+use candle_qmoe_suite::testing::{bit_identical, max_abs_diff_tensors};
 use rand::{Rng, SeedableRng};
 
 const E: usize = 16;
@@ -214,9 +215,7 @@ fn outputs_are_bit_identical_for_any_capacity_policy_and_hybrid_mode() {
                         let got = experts.forward(&xs, &ids, &w).unwrap();
                         let got = got.flatten_all().unwrap().to_vec1::<f32>().unwrap();
                         assert!(
-                            got.iter()
-                                .zip(&want)
-                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            bit_identical(&got, &want),
                             "T={tokens} C={capacity} {policy:?} {hybrid:?}"
                         );
                     }
@@ -269,9 +268,7 @@ fn a_failed_copy_keeps_the_published_generation_valid() {
                     want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
                 );
                 assert!(
-                    got.iter()
-                        .zip(&want)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    bit_identical(&got, &want),
                     "step {step}: output differs after a failed copy"
                 );
             }
@@ -313,8 +310,7 @@ fn a_prefetch_is_published_with_the_next_step() {
     let ids = Tensor::new(&[[10u32, 11, 12, 13]], &Device::Cpu).unwrap();
     let got = experts.forward(&xs, &ids, &w).unwrap();
     let want = Int4Experts::new(pack()).forward(&xs, &ids, &w).unwrap();
-    let diff = (got - want).unwrap().abs().unwrap().max_all().unwrap();
-    assert_eq!(diff.to_scalar::<f32>().unwrap(), 0.0);
+    assert_eq!(max_abs_diff_tensors(&got, &want), 0.0);
     assert_ne!(experts.store().arena().table()[10], u32::MAX);
     let s = res.stats();
     assert_eq!(
@@ -443,15 +439,11 @@ fn model_tokens_and_logits_are_identical_at_every_residency() {
         assert_eq!(got.tokens, want.tokens, "{resident:?}");
         model.clear_kv_cache();
         let logits = model.forward_all(&input, 0).unwrap();
-        let diff = (logits - &want_logits)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
-        assert_eq!(diff, 0.0, "{resident:?}");
+        assert_eq!(
+            max_abs_diff_tensors(&logits, &want_logits),
+            0.0,
+            "{resident:?}"
+        );
         let res = experts.residency().unwrap();
         let s = res.stats();
         if resident == Resident::All {

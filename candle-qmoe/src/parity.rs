@@ -119,7 +119,7 @@ pub struct LogitAgreement {
     pub top1: f64,
     /// Mean over rows of KL(reference ‖ ours), in nats.
     pub mean_kl: f64,
-    /// Largest |ours − reference| over all logits.
+    /// Largest |ours − reference| over all logits; infinite where either is not finite.
     pub max_abs_diff: f64,
 }
 
@@ -159,7 +159,12 @@ pub fn logit_agreement(ours: &Tensor, reference: &Tensor) -> candle::Result<Logi
             .map(|(p, q)| p.exp() * (p - q))
             .sum::<f64>();
         for (x, y) in o.iter().zip(r) {
-            max_abs = max_abs.max((x - y).abs() as f64);
+            let d = (x - y).abs() as f64;
+            max_abs = if d.is_finite() {
+                max_abs.max(d)
+            } else {
+                f64::INFINITY
+            };
         }
     }
     let rows = a.len().max(1) as f64;
