@@ -196,7 +196,8 @@ pub fn bit_identical(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
-/// `‖a − b‖ / ‖b‖`, accumulated in f64.
+/// `‖a − b‖ / ‖b‖`, accumulated in f64; for `b = 0`, 0 when `a = 0` too and infinite
+/// otherwise; NaN when a value is NaN.
 pub fn rel_err<A: Copy + Into<f64>, B: Copy + Into<f64>>(a: &[A], b: &[B]) -> f64 {
     assert_eq!(a.len(), b.len(), "rel_err of slices of different lengths");
     let num: f64 = a
@@ -205,6 +206,9 @@ pub fn rel_err<A: Copy + Into<f64>, B: Copy + Into<f64>>(a: &[A], b: &[B]) -> f6
         .map(|(&x, &y)| (x.into() - y.into()).powi(2))
         .sum();
     let den: f64 = b.iter().map(|&y| y.into().powi(2)).sum();
+    if den == 0.0 && num == 0.0 {
+        return 0.0;
+    }
     (num / den).sqrt()
 }
 

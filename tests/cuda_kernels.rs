@@ -159,15 +159,11 @@ fn run_case(dev: &Device, c: Case, seed: u64) -> Result<(), Failed> {
     if c.routing == Routing::NoneInRange && got.iter().any(|&v| v != 0.0) {
         return Err("ids all out of range must give exact zeros".into());
     }
-    if err > c.tolerance() {
+    if err.is_nan() || err > c.tolerance() {
         return Err(format!("relative L2 error {err:.3e} > {:.1e}", c.tolerance()).into());
     }
     let again = run()?;
-    if again
-        .iter()
-        .zip(&got)
-        .any(|(a, b)| a.to_bits() != b.to_bits())
-    {
+    if !bit_identical(&again, &got) {
         return Err("a second run differs: the kernels are not deterministic".into());
     }
     // Through the RoutedExperts trait (Auto path) the result is the same function.
@@ -178,7 +174,7 @@ fn run_case(dev: &Device, c: Case, seed: u64) -> Result<(), Failed> {
             .flatten_all()?
             .to_vec1::<f32>()?;
         let err_auto = rel_err(&auto, &want);
-        if err_auto > c.tolerance() {
+        if err_auto.is_nan() || err_auto > c.tolerance() {
             return Err(
                 format!("RoutedExperts::forward (Auto) relative error {err_auto:.3e}").into(),
             );
@@ -419,7 +415,7 @@ fn run_resident(
                     1e-2
                 };
                 let err = rel_err(&got, &want);
-                if err > bound {
+                if err.is_nan() || err > bound {
                     return Err(
                         format!("step {step}: hybrid rel err {err:.2e} > {bound:.0e}").into(),
                     );
