@@ -570,7 +570,9 @@ fn config_spellings_and_defaults() {
 }
 
 /// A Qwen2-MoE or Qwen3-MoE whose layer 1 is dense (`mlp_only_layers`) loads the dense MLP
-/// weights there and only one layer's router logits come back.
+/// weights there, only one layer's router logits come back, and the MLP's output
+/// `down · (silu(gate · x) ⊙ up · x)` is added: with `down = 0` the logits do not depend on gate
+/// and up at all (bit for bit), and any other `down`, gate or up moves them.
 #[test]
 fn qwen_mlp_only_layers_use_dense_mlp() {
     for (name, inter) in [("qwen2moe-tiny", 512), ("qwen3moe-tiny", 384)] {
@@ -581,22 +583,41 @@ fn qwen_mlp_only_layers_use_dense_mlp() {
         let vb = VarBuilder::from_tensors(ts.clone(), DType::F32, &Device::Cpu);
         let msg = err_string(MoeForCausalLm::new(&cfg, vb, &ExpertsBackend::Dense));
         assert!(msg.contains("model.layers.1.mlp.gate_proj.weight"), "{msg}");
-        for (proj, shape) in [
-            ("gate_proj", (inter, 256)),
-            ("up_proj", (inter, 256)),
-            ("down_proj", (256, inter)),
+        let random =
+            |shape: (usize, usize)| Tensor::randn(0f32, 0.02, shape, &Device::Cpu).unwrap();
+        let logits = |[gate, up, down]: [&Tensor; 3]| {
+            let mut ts = ts.clone();
+            for (proj, w) in [("gate_proj", gate), ("up_proj", up), ("down_proj", down)] {
+                ts.insert(format!("model.layers.1.mlp.{proj}.weight"), w.clone());
+            }
+            let vb = VarBuilder::from_tensors(ts, DType::F32, &Device::Cpu);
+            let mut model = MoeForCausalLm::new(&cfg, vb, &ExpertsBackend::Dense).unwrap();
+            let (logits, routers) = model
+                .forward_all_with_router_logits(&row_tensor(&[1, 2, 3]), 0)
+                .unwrap();
+            assert_eq!(logits.dims(), &[1, 3, 512]);
+            assert_eq!(routers.len(), 1);
+            assert_eq!(routers[0].dims(), &[1, 3, 8]);
+            logits
+        };
+        let (gate, up, down) = (
+            random((inter, 256)),
+            random((inter, 256)),
+            random((256, inter)),
+        );
+        let (gate2, up2) = (random((inter, 256)), random((inter, 256)));
+        let zero = Tensor::zeros((256, inter), DType::F32, &Device::Cpu).unwrap();
+        let with_mlp = logits([&gate, &up, &down]);
+        let without = logits([&gate, &up, &zero]);
+        assert_eq!(max_abs_diff(&without, &logits([&gate2, &up2, &zero])), 0.0);
+        // Either change moves the logits by 6e-2–8e-2 (measured); F32 noise alone is ~1e-6.
+        for (what, other) in [
+            ("down_proj", &without),
+            ("gate_proj and up_proj", &logits([&gate2, &up2, &down])),
         ] {
-            let w = Tensor::randn(0f32, 0.02, shape, &Device::Cpu).unwrap();
-            ts.insert(format!("model.layers.1.mlp.{proj}.weight"), w);
+            let d = max_abs_diff(&with_mlp, other);
+            assert!(d > 1e-3, "{name}: {what} changes the logits by only {d:e}");
         }
-        let vb = VarBuilder::from_tensors(ts, DType::F32, &Device::Cpu);
-        let mut model = MoeForCausalLm::new(&cfg, vb, &ExpertsBackend::Dense).unwrap();
-        let (logits, routers) = model
-            .forward_all_with_router_logits(&row_tensor(&[1, 2, 3]), 0)
-            .unwrap();
-        assert_eq!(logits.dims(), &[1, 3, 512]);
-        assert_eq!(routers.len(), 1);
-        assert_eq!(routers[0].dims(), &[1, 3, 8]);
     }
 }
 
