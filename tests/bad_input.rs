@@ -647,7 +647,8 @@ fn unsupported_families_are_refused_naming_the_type() {
             for needle in [value, &supported, &path.display().to_string()] {
                 assert!(msg.contains(needle), "`{needle}` not in: {msg}");
             }
-            assert!(load_checkpoint(&dir).is_err());
+            let e = format!("{:#}", load_checkpoint(&dir).unwrap_err());
+            assert!(e.contains(value) && e.contains(field), "{e}");
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();

@@ -108,23 +108,36 @@ fn contract_defaults_and_limits() {
     assert_eq!((full.responses(), full.total_tokens()), (36, 36 * 128 + 64));
     full.check().unwrap();
     let bad = [
-        Contract { prompts: 0, ..full },
-        Contract {
-            prompts: 13,
-            ..full
-        },
-        Contract { blocks: 0, ..full },
-        Contract {
-            sample_len: 1,
-            ..full
-        },
-        Contract {
-            prompt_tokens: Some(0),
-            ..full
-        },
+        (Contract { prompts: 0, ..full }, "--prompts 0 must be 1 to"),
+        (
+            Contract {
+                prompts: 13,
+                ..full
+            },
+            "--prompts 13 must be 1 to",
+        ),
+        (
+            Contract { blocks: 0, ..full },
+            "--blocks must be at least 1",
+        ),
+        (
+            Contract {
+                sample_len: 1,
+                ..full
+            },
+            "--sample-len 1 must be at least 2",
+        ),
+        (
+            Contract {
+                prompt_tokens: Some(0),
+                ..full
+            },
+            "--prompt-tokens must be at least 1",
+        ),
     ];
-    for c in bad {
-        assert!(c.check().is_err(), "{c:?} accepted");
+    for (c, says) in bad {
+        let err = c.check().unwrap_err().to_string();
+        assert!(err.contains(says), "{c:?}: {err}");
         assert!(!c.is_full());
     }
 }
@@ -160,7 +173,10 @@ fn sweep_plot_is_an_svg_with_axis_labels() {
     for label in [X_LABEL, DECODE_LABEL, H2D_LABEL, "test sweep", "baseline"] {
         assert!(svg.contains(label), "no `{label}` in the SVG");
     }
-    assert!(plot_sweep(&path, "empty", &[], None).is_err());
+    let err = plot_sweep(&path, "empty", &[], None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("no sweep points to plot"), "{err}");
 }
 
 /// The model flags, parsed as the examples parse them (negative numbers reach the flags).
@@ -310,6 +326,10 @@ fn model_flags_beyond_the_model_are_refused_before_loading() {
         let err = check(&["--resident", resident]).unwrap_err();
         assert!(err.contains("memory plan"), "--resident {resident}: {err}");
     }
+    // A negative number reaches the flag's own parser, not clap's "unexpected argument".
     let err = check(&["--resident", "-3"]).unwrap_err();
-    assert!(!err.contains("unexpected argument"), "{err}");
+    assert!(
+        err.contains("residency = -3 is not `all`, a number of experts per layer"),
+        "{err}"
+    );
 }

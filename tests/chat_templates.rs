@@ -192,7 +192,11 @@ fn no_think_flag_turns_qwen3_thinking_off() {
             text
         );
     }
-    assert!(Cli::try_parse_from(["test", "--no-chat", "--no-think"]).is_err());
+    let err = Cli::try_parse_from(["test", "--no-chat", "--no-think"]).err();
+    assert_eq!(
+        err.map(|e| e.kind()),
+        Some(clap::error::ErrorKind::ArgumentConflict)
+    );
 }
 
 /// A scratch folder for this test process.
@@ -295,7 +299,9 @@ fn bad_templates_are_errors_naming_the_file() {
     );
     let err = load(serde_json::json!({"chat_template": 42})).unwrap_err();
     assert!(
-        matches!(err, ChatError::Config { .. }) && names_file(&err),
+        matches!(&err, ChatError::Config { reason, .. }
+            if reason.contains("must be a string or a list of {name, template}, not 42"))
+            && names_file(&err),
         "{err}"
     );
     std::fs::remove_dir_all(dir).unwrap();

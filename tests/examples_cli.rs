@@ -66,6 +66,11 @@ fn parity_exits_with_its_verdict() {
     // A bound that would switch its check off is refused.
     let nan = run("parity", &[&base[..], &["--min-top1", "nan"]].concat());
     assert_eq!(nan.status.code(), Some(2), "{}", text(&nan));
+    assert!(
+        text(&nan).contains("'nan' for '--min-top1 <MIN_TOP1>': `nan` is not a fraction in [0, 1]"),
+        "{}",
+        text(&nan)
+    );
 }
 
 /// `quantize --synthetic tiny --save-checkpoint FOLDER --out PACK`.

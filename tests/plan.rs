@@ -213,14 +213,19 @@ fn qwen2moe_tiny_components_by_hand_on_cpu() {
         x(1_245_184 + 38_912 * 2 + 171_264 * 2)
     );
     // There is no INT8 kernel on a GPU: refused by the planner too.
-    assert!(Plan::new(
+    let err = Plan::new(
         &spec("qwen2moe-tiny"),
         &PlanOptions {
             dense_int8: true,
             ..PlanOptions::new(Target::Cuda)
-        }
+        },
     )
-    .is_err());
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("INT8 dense weights run on the CPU only"),
+        "{err}"
+    );
     // On the CPU the pack is host memory too; fully resident experts are read from it in place.
     assert_eq!(bytes(&plan, Component::PackSource), x(16 * slab));
     assert_eq!(bytes(&plan, Component::ExpertCache), x(0));
@@ -541,8 +546,13 @@ fn fit_weights_layers() {
     };
     let fit = plan.fit(budget, &opts).unwrap();
     assert_eq!(fit.plan.resident_per_layer(), [8, 5]);
-    for bad in [vec![1.0], vec![1.0, -1.0], vec![f64::NAN, 1.0]] {
-        assert!(with(Some(bad)).is_err());
+    for (bad, says) in [
+        (vec![1.0], "1 layer weights given for 2 MoE layers"),
+        (vec![1.0, -1.0], "finite and non-negative"),
+        (vec![f64::NAN, 1.0], "finite and non-negative"),
+    ] {
+        let err = with(Some(bad)).unwrap_err().to_string();
+        assert!(err.contains(says), "{err}");
     }
 }
 
@@ -606,7 +616,7 @@ fn fit_refuses_naming_the_component() {
     };
     assert!(matches!(
         plan.fit(minimal, &no_margin_left),
-        Err(QmoeError::Plan(_))
+        Err(QmoeError::Plan(m)) if m.contains("margin 1 must be a fraction of the budget in [0, 1)")
     ));
 }
 

@@ -158,10 +158,10 @@ fn chunked_prefill_matches_one_pass() {
         assert!(diff < 1e-4, "chunk {chunk}: max |Δlogit| {diff}");
     }
     let mut m = int4_model(&s);
-    for (prompt, chunk) in [(&[][..], 4), (&prompt[..], 0)] {
+    for (prompt, chunk, what) in [(&[][..], 4, "prompt"), (&prompt[..], 0, "prefill chunk")] {
         let e = prefill(&mut m, prompt, chunk).unwrap_err();
         assert!(
-            matches!(QmoeError::find(&e), Some(QmoeError::InvalidArgument { .. })),
+            matches!(QmoeError::find(&e), Some(QmoeError::InvalidArgument { argument, .. }) if argument == what),
             "{e}"
         );
     }

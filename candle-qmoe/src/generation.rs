@@ -19,12 +19,18 @@ pub const PREFILL_CHUNK: usize = 512;
 /// Runs `prompt` through the model in chunks of at most `chunk` tokens after the tokens already
 /// in its KV cache, and returns the last position's logits (`[vocab]`, F32).
 pub fn prefill(model: &mut MoeForCausalLm, prompt: &[u32], chunk: usize) -> candle::Result<Tensor> {
-    if prompt.is_empty() || chunk == 0 {
-        return Err(QmoeError::InvalidArgument {
-            argument: "prefill".into(),
-            reason: format!("{} tokens in chunks of {chunk}", prompt.len()),
+    let invalid = |argument: &str, reason: &str| -> candle::Error {
+        QmoeError::InvalidArgument {
+            argument: argument.into(),
+            reason: reason.into(),
         }
-        .into());
+        .into()
+    };
+    if prompt.is_empty() {
+        return Err(invalid("prompt", "it is empty (prefill needs a token)"));
+    }
+    if chunk == 0 {
+        return Err(invalid("prefill chunk", "0 (it must be at least 1 token)"));
     }
     let device = model.device().clone();
     let mut logits = None;
@@ -32,13 +38,7 @@ pub fn prefill(model: &mut MoeForCausalLm, prompt: &[u32], chunk: usize) -> cand
         let input = Tensor::new(part, &device)?.unsqueeze(0)?;
         logits = Some(model.forward(&input, model.cached_len())?.squeeze(0)?);
     }
-    logits.ok_or_else(|| {
-        QmoeError::InvalidArgument {
-            argument: "prefill".into(),
-            reason: "no tokens".into(),
-        }
-        .into()
-    })
+    Ok(logits.expect("a prompt that is not empty has a chunk"))
 }
 
 /// Why generation stopped.

@@ -201,12 +201,14 @@ mod tests {
             .collect();
         w.write("b", &bf16[..4]).unwrap();
         w.write("b", &bf16[4..]).unwrap();
-        assert!(w.write("c", &[0; 8]).is_err(), "out of order");
+        let e = w.write("c", &[0; 8]).unwrap_err().to_string();
+        assert!(e.contains("tensor `c` written where `a` comes next"), "{e}");
         w.write("a", &[1, 2]).unwrap();
         w.write("a", &[3, 4, 5]).unwrap();
         assert!(matches!(
             w.write("c", &[0; 12]),
-            Err(QmoeError::InvalidArgument { .. })
+            Err(QmoeError::InvalidArgument { reason, .. })
+                if reason == "12 bytes written for tensor `c` of 8 bytes"
         ));
         let c: Vec<u8> = [7f32, 8.0].iter().flat_map(|v| v.to_le_bytes()).collect();
         w.write("c", &c).unwrap();

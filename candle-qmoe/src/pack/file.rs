@@ -525,7 +525,8 @@ mod tests {
         assert!(e.to_string().contains("re-run quantize"), "{e}");
         assert!(matches!(
             f.check_source(&meta.fingerprint, 64, 48, 3),
-            Err(QmoeError::PackMismatch { .. })
+            Err(QmoeError::PackMismatch { reason, .. })
+                if reason.contains("pack holds H 64 I 40 × 3 experts; the model has H 64 I 48 × 3")
         ));
 
         // Truncation, a foreign version and a non-safetensors file are clear errors.
