@@ -16,24 +16,23 @@
 # is a quick pass that leaves time for a second try: tests ≤ 100 s, `gpu_check --quick` ≤ 150 s,
 # a quick residency sweep ≤ 90 s, end to end (`bench` on synthetic OLMoE at 16, 32 and all
 # resident experts) ≤ 120 s: under 8 minutes at most; the first three took 66 s on an H200.
-# Through the device tool, after
-# `scripts/gpu-check.sh build`, from the repository root:
+# After `scripts/gpu-check.sh build` here, with the repository and target/gpu-carry copied to the
+# GPU machine, from the repository root there (give it 480 s):
 #
-#   run(command="bash scripts/gpu-check.sh run", carry=["target/gpu-carry"], timeout_s=480)
+#   bash scripts/gpu-check.sh run
 #
 # Then, only if time is left, the full pass (all cases and timings, both synthetic models: tests
-# ≤ 100 s, check ≤ 200 s, sweep ≤ 120 s, end to end ≤ 150 s):
+# ≤ 100 s, check ≤ 200 s, sweep ≤ 120 s, end to end ≤ 150 s; give it 590 s):
 #
-#   run(command="bash scripts/gpu-check.sh run --full", carry=["target/gpu-carry"], timeout_s=590)
+#   bash scripts/gpu-check.sh run --full
 #
 # The limits can be changed with QMOE_TEST_TIMEOUT, QMOE_CHECK_TIMEOUT, QMOE_SWEEP_TIMEOUT,
 # QMOE_BENCH_TIMEOUT.
 # Extra arguments after `run [--full]` go to gpu_check. The JSON goes to $OUT/gpu_check.json,
 # $OUT/residency_sweep.json and $OUT/bench-<model>.json (with a plot .svg), the logs to
-# $OUT/logs.tar.gz (the device tool returns at most 8 files); through the device tool only $OUT
-# comes back: copy them to bench/results/gpu-check-<date>-<commit12>[-quick].json,
-# bench/results/residency-sweep-h200.json and bench/results/bench-<model>-h200.json and commit
-# them.
+# $OUT/logs.tar.gz (few files to copy back; $OUT defaults to target/gpu-out): copy them to
+# bench/results/gpu-check-<date>-<commit12>[-quick].json, bench/results/residency-sweep-h200.json
+# and bench/results/bench-<model>-h200.json and commit them.
 #
 # The libcuda stub of scripts/cuda-env.sh is never carried: the GPU machine's driver provides
 # libcuda.so.1. libcudart/libcublas/libcublasLt/libcurand/libnvrtc (CUDA 13) are looked for in
@@ -221,7 +220,7 @@ run() {
     done
     grep -vE "^\s*$" "$OUT/bench.log" | tail -n 12
     set -e
-    # The device tool returns at most 8 files: the logs travel as one archive.
+    # The logs travel as one archive: few files to copy back.
     local logs=(env.txt tests.log gpu_check.log gpu_check.txt residency_sweep.log bench.log)
     tar -czf "$OUT/logs.tar.gz" -C "$OUT" "${logs[@]}" && (cd "$OUT" && rm -f "${logs[@]}")
     echo "gpu-check: tests rc=$rc_tests, check rc=$rc_check, sweep rc=$rc_sweep, bench rc=$rc_bench (124 = timed out); logs in $OUT/logs.tar.gz"

@@ -165,7 +165,8 @@ pub struct ModelArgs {
     #[arg(long, value_parser = parse_budget, conflicts_with = "resident")]
     pub vram_budget: Option<u64>,
     /// Context of a sequence (prompt + generated tokens): generation stops there, and
-    /// --vram-budget must hold it; default: the model's maximum.
+    /// --vram-budget must hold it; default: the model's maximum (the server's: at most 4096 per
+    /// slot).
     #[arg(long)]
     pub ctx: Option<usize>,
     /// Let --vram-budget shorten the context when the model does not fit at the requested one.

@@ -124,7 +124,7 @@ fn main() -> Result<()> {
     } = loaded;
     let vocab_size = model.spec().vocab_size;
     println!(
-        "{model_id}: {} slots × {ctx} tokens, prefill chunk {}, queue {}, {device:?}",
+        "{model_id}: {} slots × {ctx} tokens, {} prompt tokens per step, queue {}, {device:?}",
         args.parallel, args.prefill_chunk, args.queue
     );
     let metrics = Arc::new(Metrics::new(args.parallel, residency));

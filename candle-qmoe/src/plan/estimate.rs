@@ -334,9 +334,9 @@ impl Plan {
     /// or options it cannot run with (context beyond `max_position_embeddings`, residency below
     /// top-k or above the expert count, partial residency of dense experts, unsupported dtypes,
     /// zero sizes, sizes beyond `u64`).
-    pub fn new(spec: &ModelSpec, options: &PlanOptions) -> candle::Result<Self> {
+    pub fn new(spec: &ModelSpec, options: &PlanOptions) -> crate::Result<Self> {
         spec.validate()?;
-        Ok(Self::estimate(spec, options)?)
+        Self::estimate(spec, options)
     }
 
     /// [`Plan::new`] for a model already validated.

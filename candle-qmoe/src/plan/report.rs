@@ -40,8 +40,9 @@ impl Plan {
             ExpertStorage::Int4(g) => format!("int4 g{}", g.get()),
             ExpertStorage::Dense(d) => format!("dense {d:?}"),
         };
+        let per_sequence = if o.batch > 1 { " per sequence" } else { "" };
         format!(
-            "{} on {}, {:?} compute, {experts} experts, ctx {}, batch {}, prefill chunk {}, \
+            "{} on {}, {:?} compute, {experts} experts, ctx {}, batch {}, prefill chunk {}{}, \
              resident experts per layer {}",
             self.spec.model_type,
             o.target.name(),
@@ -49,6 +50,7 @@ impl Plan {
             self.ctx,
             o.batch,
             o.prefill_chunk.min(self.ctx),
+            per_sequence,
             describe_residency(&self.spec, &self.resident)
         )
     }
