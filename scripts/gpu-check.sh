@@ -6,15 +6,15 @@
 #                                      # (examples/gpu_check, examples/residency_sweep,
 #                                      # tests/cuda_kernels), strips and xz-compresses them
 #                                      # into target/gpu-carry/
-#                                      # with the commit id, checks they fit 64 MiB.
+#                                      # with the commit id, checks they fit 64 MiB
+#                                      # (small enough to copy to a GPU machine quickly).
 #   scripts/gpu-check.sh run [--full]  # ON THE GPU MACHINE (no Rust, no network): unpacks under
 #                                      # target/gpu-run, finds the CUDA 13 runtime libraries there,
 #                                      # runs the tests, the check and the sweep, copies logs and
 #                                      # JSON to $OUT.
 #
-# A GPU window is short (15 minutes of device time, machine start included), so the first call
-# is a quick pass that leaves time for a second try: tests ≤ 100 s, `gpu_check --quick` ≤ 150 s,
-# a quick residency sweep ≤ 90 s, end to end (`bench` on synthetic OLMoE at 16, 32 and all
+# GPU time may be short, so the first call is a quick pass that leaves time for a second try:
+# tests ≤ 100 s, `gpu_check --quick` ≤ 150 s, a quick residency sweep ≤ 90 s, end to end (`bench` on synthetic OLMoE at 16, 32 and all
 # resident experts) ≤ 120 s: under 8 minutes at most; the first three took 66 s on an H200.
 # After `scripts/gpu-check.sh build` here, with the repository and target/gpu-carry copied to the
 # GPU machine, from the repository root there (give it 480 s):

@@ -78,12 +78,9 @@ pub enum ChatError {
         /// The template's own message.
         message: String,
     },
-    /// The template rendered the conversation as nothing but whitespace (it does not read
-    /// `messages`): there would be no prompt to answer.
-    #[error(
-        "the chat template of {origin} renders the conversation as empty text (it does not \
-         read `messages`)"
-    )]
+    /// The template rendered the conversation as nothing but whitespace (it ignores `messages`,
+    /// or every message is empty): there would be no prompt to answer.
+    #[error("the chat template of {origin} renders the conversation as empty text")]
     Empty {
         /// The file (or built-in) the template came from.
         origin: String,

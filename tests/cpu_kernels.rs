@@ -10,7 +10,7 @@ use candle_qmoe::kernels::dense::{bf16_matmul, int8_matmul, Int8Matrix, INT8_GRO
 use candle_qmoe::models::layers::RmsNorm;
 use candle_qmoe::DenseLinear;
 use candle_qmoe_suite::testing::{
-    isa_trials, max_abs_diff, max_abs_diff_tensors, round_activations, Rng,
+    bit_identical, isa_trials, max_abs_diff, max_abs_diff_tensors, round_activations, Rng,
 };
 use half::{bf16, f16};
 use libtest_mimic::{Arguments, Trial};
@@ -442,7 +442,7 @@ fn stacked_int8_trials(name: &str, isa: CpuIsa) -> Vec<Trial> {
                     "{isa:?} m{m}: stacked and separate INT8 projections differ"
                 );
                 // A part with a bias is the INT8 kernel (checked against f64 above) plus the
-                // bias: one F32 addition, within an ulp of outputs below 2 (≤ 2.4e-7).
+                // bias, one F32 addition per output: the same bits.
                 let (w, bias) = (&weights[0].0, weights[0].1.as_ref().unwrap());
                 let q =
                     Int8Matrix::quantize_bf16(&w.flatten_all()?.to_vec1::<bf16>()?, sizes[0], k);
@@ -454,10 +454,11 @@ fn stacked_int8_trials(name: &str, isa: CpuIsa) -> Vec<Trial> {
                     .map(|(i, v)| v + b[i % sizes[0]])
                     .collect();
                 let got = parts[0].forward(&x)?.flatten_all()?.to_vec1::<f32>()?;
-                let d = max_abs_diff(&got, &want);
                 assert!(
-                    d <= 2.4e-7,
-                    "{isa:?} m{m}: INT8 DenseLinear with a bias off by {d:e}"
+                    bit_identical(&got, &want),
+                    "{isa:?} m{m}: INT8 DenseLinear with a bias is not kernel + bias (max diff \
+                     {:e})",
+                    max_abs_diff(&got, &want)
                 );
             }
             Ok(())

@@ -105,7 +105,7 @@ fn main() -> Result<()> {
     args.model.ctx = Some(args.model.ctx.unwrap_or(model_ctx.min(DEFAULT_CTX)));
     args.model.batching = Batching {
         sequences: args.parallel,
-        step_tokens: args.prefill_chunk + args.parallel,
+        step_tokens: args.prefill_chunk.saturating_add(args.parallel),
     };
     let plan = args.model.check(dtype, &device)?;
     if args.model.vram_budget.is_none() {

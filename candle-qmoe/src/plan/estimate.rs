@@ -25,6 +25,11 @@ fn product(factors: &[usize]) -> u64 {
         .fold(1u64, |acc, &f| acc.saturating_mul(f as u64))
 }
 
+/// Sum of sizes, saturating like [`product`].
+fn sum(terms: &[u64]) -> u64 {
+    terms.iter().fold(0u64, |acc, &t| acc.saturating_add(t))
+}
+
 /// Where the model runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Target {
@@ -207,23 +212,28 @@ fn non_expert_elements(spec: &ModelSpec) -> NonExpertElements {
     let q = spec.num_heads * spec.head_dim;
     let kv = spec.num_kv_heads * spec.head_dim;
     let if_set = |on: bool, n: u64| if on { n } else { 0 };
-    let attention = product(&[h, q + 2 * kv]) + product(&[q, h]);
-    let attention_rest = if_set(a.qkv_bias, (q + 2 * kv) as u64)
-        + if_set(a.o_bias, h as u64)
-        + spec.qk_norm_sizes().map_or(0, |(qn, kn)| (qn + kn) as u64);
+    let attention = sum(&[product(&[h, q + 2 * kv]), product(&[q, h])]);
+    let attention_rest = sum(&[
+        if_set(a.qkv_bias, (q + 2 * kv) as u64),
+        if_set(a.o_bias, h as u64),
+        spec.qk_norm_sizes().map_or(0, |(qn, kn)| (qn + kn) as u64),
+    ]);
     let ffn = |layer: &FfnSpec| match layer {
         FfnSpec::Dense { intermediate_size } => (product(&[3, h, *intermediate_size]), 0),
         FfnSpec::Moe(m) => (
             m.shared_intermediate_size
                 .map_or(0, |si| product(&[3, h, si])),
-            product(&[m.num_experts, h]) + m.shared_intermediate_size.map_or(0, |_| h as u64),
+            sum(&[
+                product(&[m.num_experts, h]),
+                m.shared_intermediate_size.map_or(0, |_| h as u64),
+            ]),
         ),
     };
     let (mut projections, mut rest) = (0u64, 0u64);
     for layer in &spec.layers {
         let (p, r) = ffn(layer);
-        projections = projections.saturating_add(attention + p);
-        rest = rest.saturating_add(attention_rest + 2 * h as u64 + r);
+        projections = sum(&[projections, attention, p]);
+        rest = sum(&[rest, attention_rest, product(&[2, h]), r]);
     }
     let embedding = product(&[spec.vocab_size, h]);
     NonExpertElements {
@@ -245,11 +255,10 @@ fn non_expert_elements(spec: &ModelSpec) -> NonExpertElements {
 fn non_expert_bytes(spec: &ModelSpec, opts: &PlanOptions) -> u64 {
     let e = non_expert_elements(spec);
     if opts.dense_int8 {
-        let int8 = e.projections
-            + e.projections
-                .div_ceil(crate::kernels::dense::INT8_GROUP as u64)
-                * 2;
-        int8.saturating_add(e.rest.saturating_mul(2))
+        let scales = e
+            .projections
+            .div_ceil(crate::kernels::dense::INT8_GROUP as u64);
+        sum(&[e.projections, scales * 2, e.rest.saturating_mul(2)])
     } else {
         (e.projections.saturating_add(e.rest)).saturating_mul(opts.dtype.size_in_bytes() as u64)
     }
@@ -262,9 +271,9 @@ fn workspace(spec: &ModelSpec, opts: &PlanOptions, ctx: usize) -> ByteRange {
     let dt = opts.target.activation_dtype(opts.dtype).size_in_bytes();
     let (b, h, v) = (opts.batch, spec.hidden_size, spec.vocab_size);
     let chunk = opts.prefill_chunk.min(ctx);
-    let n = b * chunk;
+    let n = b.saturating_mul(chunk);
     let hidden = product(&[n, h, dt]);
-    let residual = ByteRange::new(2 * hidden, 4 * hidden);
+    let residual = ByteRange::new(hidden.saturating_mul(2), hidden.saturating_mul(4));
 
     // q, k, v (and their rotated, contiguous copies); the previous KV cache of a layer while
     // the longer one is concatenated (or, fused, while it grows into a new allocation); K/V
@@ -288,36 +297,45 @@ fn workspace(spec: &ModelSpec, opts: &PlanOptions, ctx: usize) -> ByteRange {
         product(&[b, nh, chunk, ctx])
     };
     let mask = if fused { 0 } else { product(&[chunk, ctx, 4]) };
-    let fixed = kv_grow + repeat + mask;
+    let fixed = sum(&[kv_grow, repeat, mask]);
     let attention = ByteRange::new(
-        qkv + fixed + scores * (4 + dt as u64),
-        2 * qkv + fixed + scores * (12 + 2 * dt as u64),
+        sum(&[qkv, fixed, scores.saturating_mul(4 + dt as u64)]),
+        sum(&[
+            qkv.saturating_mul(2),
+            fixed,
+            scores.saturating_mul(12 + 2 * dt as u64),
+        ]),
     );
+    // An intermediate of `inter` bytes: at least gate, up and their product, at most also the
+    // activation and the output.
+    let mlp = |inter: u64| {
+        ByteRange::new(
+            inter.saturating_mul(3),
+            sum(&[inter.saturating_mul(4), hidden]),
+        )
+    };
 
     let ffn = spec
         .layers
         .iter()
         .map(|layer| match layer {
-            FfnSpec::Dense { intermediate_size } => {
-                let inter = product(&[n, *intermediate_size, dt]);
-                ByteRange::new(3 * inter, 4 * inter + hidden)
-            }
+            FfnSpec::Dense { intermediate_size } => mlp(product(&[n, *intermediate_size, dt])),
             FfnSpec::Moe(m) => {
                 // Router logits (dtype), F32 probabilities and the u32 argsort; the routed
                 // experts' intermediates (dtype at least, F32 in the kernels' scratch) and
                 // output; the shared expert's gate, up and product.
                 let router = product(&[n, m.num_experts, dt + 8]);
-                let pairs = n * m.top_k;
+                let pairs = n.saturating_mul(m.top_k);
                 let routed = ByteRange::new(
-                    product(&[pairs, m.intermediate_size, dt]) + hidden,
-                    product(&[pairs, m.intermediate_size + h, 4]) + product(&[n, h, 4]),
+                    sum(&[product(&[pairs, m.intermediate_size, dt]), hidden]),
+                    sum(&[
+                        product(&[pairs, m.intermediate_size + h, 4]),
+                        product(&[n, h, 4]),
+                    ]),
                 );
                 let shared = m
                     .shared_intermediate_size
-                    .map_or(ByteRange::default(), |si| {
-                        let inter = product(&[n, si, dt]);
-                        ByteRange::new(3 * inter, 4 * inter + hidden)
-                    });
+                    .map_or(ByteRange::default(), |si| mlp(product(&[n, si, dt])));
                 ByteRange::exact(router) + routed + shared
             }
         })
@@ -453,10 +471,14 @@ impl Plan {
         // Sizes saturate instead of overflowing; a saturated one is no prediction at all.
         let total: ByteRange = components.iter().map(|c| c.bytes).sum();
         if total.max == u64::MAX || process_rss.max == u64::MAX {
+            let what = components
+                .iter()
+                .find(|c| c.bytes.max == u64::MAX)
+                .map_or("the total", |c| c.component.name());
             return Err(plan_err(format!(
-                "batch {} × context {ctx} × prefill chunk {} needs more than 2^64 bytes: no \
-                 machine can hold it",
-                o.batch, o.prefill_chunk
+                "{what} needs 2^64 bytes or more (batch {}, context {ctx}, prefill chunk {}, \
+                 {} staging buffers): no machine can hold it",
+                o.batch, o.prefill_chunk, o.staging_buffers
             )));
         }
         let host = vec![
