@@ -786,7 +786,17 @@ fn load_checkpoint(
     let config = AnyConfig::from_file(ckpt.dir.join("config.json"))?;
     // Before the weights: a missing tokenizer or a damaged generation config fails fast.
     let tokenizer = crate::tokenizer::load_tokenizer(&ckpt.dir, config.model_type())?;
-    let vocab = config.spec()?.vocab_size;
+    let spec = config.spec()?;
+    let stored = models::stored_decoder_layers(&ckpt.dir)?;
+    if stored > spec.num_layers() {
+        eprintln!(
+            "note: the checkpoint stores {stored} decoder layers but config.json's \
+             num_hidden_layers is {}: the model runs the first {} only",
+            spec.num_layers(),
+            spec.num_layers()
+        );
+    }
+    let vocab = spec.vocab_size;
     let mut eos = eos_ids_of_file(&ckpt.dir.join("config.json"), vocab)?;
     eos.extend(eos_ids_of_file(
         &ckpt.dir.join("generation_config.json"),

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use candle::{DType, Device, Tensor};
-use candle_qmoe::models::{self, AnyConfig, ExpertsBackend, MoeForCausalLm};
+use candle_qmoe::models::{self, AnyConfig, ExpertsBackend, ModelConfig, MoeForCausalLm};
 use candle_qmoe::pack::{slab_checksum, ExpertLayout, GroupSize, PackFile};
 use candle_qmoe::residency::{Residency, ResidencyOptions, Resident};
 use candle_qmoe::synthetic::{SyntheticKind, SyntheticModel};
@@ -499,6 +499,26 @@ fn checkpoint_copy(fixture: &str, tag: &str) -> PathBuf {
         std::fs::copy(fixture_dir(fixture).join(f), dir.join(f)).unwrap();
     }
     dir
+}
+
+/// The decoder layers a checkpoint stores are counted from its headers, so that a config with a
+/// smaller `num_hidden_layers` (a model silently cut short) can be named at load.
+#[test]
+fn stored_decoder_layers_are_counted_from_the_headers() {
+    for name in FIXTURES {
+        let cfg = AnyConfig::from_file(fixture_dir(name).join("config.json")).unwrap();
+        let layers = cfg.spec().unwrap().num_layers();
+        assert_eq!(
+            models::stored_decoder_layers(fixture_dir(name)).unwrap(),
+            layers,
+            "{name}"
+        );
+    }
+    let empty = temp_dir("no-checkpoint");
+    let e = models::stored_decoder_layers(&empty)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(&empty.display().to_string()), "{e}");
 }
 
 /// Builds the model of the checkpoint in `dir` with dense experts, as `generate` would.

@@ -206,6 +206,28 @@ pub fn fingerprint(dir: impl AsRef<Path>) -> crate::Result<String> {
     Ok(checkpoint_fingerprint(config.as_bytes(), routers))
 }
 
+/// How many decoder layers the checkpoint in `dir` stores tensors of: the largest `i` of a
+/// `model.layers.{i}.…` tensor name plus one (0 for none), from the shards' headers alone.
+/// A config whose `num_hidden_layers` is smaller builds a model from the first layers only.
+pub fn stored_decoder_layers(dir: impl AsRef<Path>) -> crate::Result<usize> {
+    // SAFETY: read-only maps of the headers, dropped before returning (the contract of
+    // `mmap_checkpoint`).
+    let tensors = unsafe { CheckpointTensors::open(dir)? };
+    Ok(tensors
+        .tensors
+        .keys()
+        .filter_map(|name| {
+            name.strip_prefix("model.layers.")?
+                .split('.')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .map(|i: usize| i + 1)
+        .max()
+        .unwrap_or(0))
+}
+
 /// One tensor of a checkpoint as stored: element type, shape and raw little-endian bytes.
 #[derive(Clone, Copy, Debug)]
 pub struct RawTensor<'a> {

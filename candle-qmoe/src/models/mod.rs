@@ -38,7 +38,9 @@ use std::path::Path;
 
 pub use crate::moe::ExpertTraffic;
 pub use causal_lm::{MoeForCausalLm, SequenceCache, SequenceInput};
-pub use checkpoint::{checkpoint_files, fingerprint, mmap_checkpoint, CheckpointTensors};
+pub use checkpoint::{
+    checkpoint_files, fingerprint, mmap_checkpoint, stored_decoder_layers, CheckpointTensors,
+};
 pub use config::{
     AttentionSpec, CommonConfig, FfnSpec, ModelConfig, ModelSpec, MoeNames, MoeSpec, QkNorm,
 };
