@@ -17,9 +17,9 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use candle::{DType, Device};
 use candle_qmoe::models::{self, AnyConfig, ExpertsBackend, MoeForCausalLm};
-use candle_qmoe::pack::{GroupSize, ScaleSearch};
+use candle_qmoe::pack::GroupSize;
 use candle_qmoe::parity::{compare, Golden, ParityBounds};
-use candle_qmoe_suite::model::output_path;
+use candle_qmoe_suite::model::{output_path, ScaleSearchArg};
 use clap::{Parser, ValueEnum};
 use serde_json::json;
 
@@ -31,14 +31,6 @@ enum Experts {
     Bf16,
     /// INT4 experts with FP16 group scales.
     Int4,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Search {
-    /// Minimum squared error over a grid of scales.
-    Mse,
-    /// Round to nearest with absmax / 7.
-    Rtn,
 }
 
 #[derive(Parser, Debug)]
@@ -62,7 +54,7 @@ struct Args {
     group_size: usize,
     /// INT4 scale search.
     #[arg(long, value_enum, default_value = "mse")]
-    scale_search: Search,
+    scale_search: ScaleSearchArg,
     /// Compute dtype of everything but the experts (default: f32, as the goldens).
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
     dtype: String,
@@ -131,10 +123,7 @@ fn main() -> Result<()> {
         Experts::Bf16 => ExpertsBackend::DenseAs(DType::BF16),
         Experts::Int4 => ExpertsBackend::Int4 {
             group_size,
-            search: match args.scale_search {
-                Search::Mse => ScaleSearch::Mse,
-                Search::Rtn => ScaleSearch::Rtn,
-            },
+            search: args.scale_search.into(),
         },
     };
     let bounds = args.bounds();

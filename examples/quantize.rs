@@ -21,24 +21,16 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_qmoe::models::{AnyConfig, ModelConfig, QuantizeOptions};
-use candle_qmoe::pack::{GroupSize, PackFile, ScaleSearch};
+use candle_qmoe::pack::{GroupSize, PackFile};
 use candle_qmoe::plan::format_bytes;
 use candle_qmoe::synthetic::SyntheticKind;
 use candle_qmoe_suite::checkpoint::{
     quantize_to_file_with_progress, resolve_checkpoint, write_synthetic_checkpoint,
 };
-use candle_qmoe_suite::model::{output_path, parse_arg};
+use candle_qmoe_suite::model::{output_path, parse_arg, ScaleSearchArg};
 use candle_qmoe_suite::system::{self, peak_rss_bytes};
-use clap::{Parser, ValueEnum};
+use clap::Parser;
 use serde_json::json;
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-enum Search {
-    /// Minimum squared error over a grid of scales (default).
-    Mse,
-    /// Round to nearest with absmax / 7.
-    Rtn,
-}
 
 #[derive(Parser, Debug)]
 #[command(
@@ -73,7 +65,7 @@ struct Args {
     group_size: usize,
     /// How group scales are chosen.
     #[arg(long, value_enum, default_value = "mse")]
-    scale_search: Search,
+    scale_search: ScaleSearchArg,
     /// Output .qmoe file (optional with --save-checkpoint, which alone only writes the folder;
     /// it may lie inside that folder).
     #[arg(long, required_unless_present = "save_checkpoint")]
@@ -179,10 +171,7 @@ fn main() -> Result<()> {
     );
     let opts = QuantizeOptions {
         group_size,
-        search: match args.scale_search {
-            Search::Mse => ScaleSearch::Mse,
-            Search::Rtn => ScaleSearch::Rtn,
-        },
+        search: args.scale_search.into(),
         source_model: ckpt.model_id.clone(),
         source_revision: ckpt.revision.clone(),
     };

@@ -12,7 +12,7 @@ use candle_qmoe::models::{
     self, AnyConfig, ExpertsBackend, ExpertsLoader, ModelConfig, MoeForCausalLm, PackedExperts,
     QuantizeOptions,
 };
-use candle_qmoe::pack::{GroupSize, PackFile};
+use candle_qmoe::pack::{GroupSize, PackFile, ScaleSearch};
 use candle_qmoe::plan::{self, ExpertStorage, FitOptions, Plan, PlanOptions, Target};
 use candle_qmoe::residency::{
     HybridMode, PolicyKind, Residency, ResidencyOptions, ResidencyStats, Resident,
@@ -33,6 +33,24 @@ pub enum Experts {
     Bf16,
     /// Dense F32 experts.
     F32,
+}
+
+/// `--scale-search`: how the INT4 group scales are chosen when a pack is made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ScaleSearchArg {
+    /// Minimum squared error over a grid of scales (the default).
+    Mse,
+    /// Round to nearest with absmax / 7.
+    Rtn,
+}
+
+impl From<ScaleSearchArg> for ScaleSearch {
+    fn from(arg: ScaleSearchArg) -> Self {
+        match arg {
+            ScaleSearchArg::Mse => Self::Mse,
+            ScaleSearchArg::Rtn => Self::Rtn,
+        }
+    }
 }
 
 /// `--dense-weights` (alias `--dtype`): how the non-expert weights are stored and computed.
