@@ -9,7 +9,7 @@
 //! nibbles `q + 8` (`q ∈ [-8, 7]`) in the interleaved order `[e0, e2, e4, e6, e1, e3, e5, e7]`
 //! (nibble `p` at bits `4p..4p+4`). With that order `(w >> 4i) & 0x000f000f` yields the pair
 //! `(e_{2i}, e_{2i+1})` in the two 16-bit halves, which a GPU turns into a `half2` with one
-//! `lop3` and one `hsub2` (the "magic number" conversion).
+//! `lop3` and one FMA (the "magic number" conversion).
 //!
 //! Scales are FP16, one per row and group of `group_size` consecutive columns, stored row-major
 //! `[rows, groups]`; the last group of a row may be partial when `cols` is not a multiple of the
