@@ -216,16 +216,19 @@ pub fn stored_decoder_layers(dir: impl AsRef<Path>) -> crate::Result<usize> {
     Ok(tensors
         .tensors
         .keys()
-        .filter_map(|name| {
-            name.strip_prefix("model.layers.")?
-                .split('.')
-                .next()?
-                .parse()
-                .ok()
-        })
-        .map(|i: usize| i + 1)
+        .filter_map(|name| decoder_layer_of(name))
+        .map(|i| i + 1)
         .max()
         .unwrap_or(0))
+}
+
+/// The decoder layer a tensor name belongs to (`model.layers.{i}.…`), if any.
+pub(crate) fn decoder_layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("model.layers.")?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// One tensor of a checkpoint as stored: element type, shape and raw little-endian bytes.

@@ -25,7 +25,7 @@ use super::{
     experts_seed, level_pair_table, non_expert_tensors, random_expert_slab, NonExpert,
     SyntheticKind,
 };
-use crate::models::checkpoint::{INDEX_FILE, SINGLE_FILE};
+use crate::models::checkpoint::{decoder_layer_of, INDEX_FILE, SINGLE_FILE};
 use crate::models::MoeNames;
 use crate::pack::{ExpertLayout, GroupSize, SlabView};
 use crate::safetensors_writer::{SafetensorsWriter, TensorSpec};
@@ -95,7 +95,7 @@ impl Plan {
         // As a checkpoint stores them: the embeddings, each decoder layer's tensors followed by
         // its experts, then the final norm and the head (the sort is stable).
         pieces.sort_by_key(|p| match p {
-            Piece::Tensor(t) => match layer_of(&t.name) {
+            Piece::Tensor(t) => match decoder_layer_of(&t.name) {
                 Some(layer) => layer + 1,
                 None if t.name == EMBEDDINGS => 0,
                 None => usize::MAX,
@@ -166,15 +166,6 @@ impl Plan {
             }
         }
     }
-}
-
-/// The decoder layer a tensor name belongs to (`model.layers.{i}.…`).
-fn layer_of(name: &str) -> Option<usize> {
-    name.strip_prefix("model.layers.")?
-        .split('.')
-        .next()?
-        .parse()
-        .ok()
 }
 
 /// Maps an I/O error while writing `path` to [`QmoeError::Write`] naming it.
