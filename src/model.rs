@@ -805,13 +805,11 @@ fn load_checkpoint(
     // Before the weights: a missing tokenizer or a damaged generation config fails fast.
     let tokenizer = crate::tokenizer::load_tokenizer(&ckpt.dir, config.model_type())?;
     let spec = config.spec()?;
-    let stored = models::stored_decoder_layers(&ckpt.dir)?;
-    if stored > spec.num_layers() {
+    let (stored, layers) = (models::stored_decoder_layers(&ckpt.dir)?, spec.num_layers());
+    if stored > layers {
         eprintln!(
             "note: the checkpoint stores {stored} decoder layers but config.json's \
-             num_hidden_layers is {}: the model runs the first {} only",
-            spec.num_layers(),
-            spec.num_layers()
+             num_hidden_layers is {layers}: the model runs the first {layers} only"
         );
     }
     let vocab = spec.vocab_size;
