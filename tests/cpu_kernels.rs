@@ -1,7 +1,7 @@
 //! The CPU kernels around the experts against f64 references on random inputs: the BF16
 //! matmul of the non-expert weights (on each instruction-set path), `DenseLinear`, and the
 //! fused attention over the in-place KV cache at short and 4096-token contexts, and `RmsNorm` on
-//! half-precision activations.
+//! half-precision activations; and empty inputs through the BF16 and INT8 kernels.
 
 use candle::{DType, Device, Module, Tensor};
 use candle_qmoe::kernels::attention::{attend_with_isa, KvCache, KvDtype};
@@ -502,11 +502,41 @@ fn attention_trials(name: &str, isa: CpuIsa) -> Vec<Trial> {
     ]
 }
 
+/// No rows in, no rows out: a `[0, K]` or `[B, 0, K]` input (an empty batch or chunk) gives an
+/// empty `[.., N]` output from the BF16 and INT8 kernels and from `DenseLinear` on both, rather
+/// than a panic.
+fn empty_input_trials(name: &str, isa: CpuIsa) -> Vec<Trial> {
+    vec![Trial::test(
+        format!("{name}::empty_inputs_give_empty_outputs"),
+        move || {
+            let dev = Device::Cpu;
+            let (k, n) = (96, 40);
+            let (_, w) = matmul_inputs(&mut Rng::new(17), 1, k, n);
+            assert!(bf16_matmul(isa, &[], 0, k, &w, n).is_empty());
+            let int8 = Int8Matrix::quantize_bf16(&w, n, k);
+            assert!(int8_matmul(isa, &[], 0, &int8).is_empty());
+            let bf16_lin = DenseLinear::new(Tensor::from_vec(w, (n, k), &dev)?, None)?;
+            let int8_lin = bf16_lin.to_int8()?.with_isa(isa)?;
+            let bf16_lin = bf16_lin.with_isa(isa)?;
+            for (lin, what) in [(bf16_lin, "bf16"), (int8_lin, "int8")] {
+                for dims in [vec![0, k], vec![2, 0, k]] {
+                    let x = Tensor::zeros(dims.as_slice(), DType::F32, &dev)?;
+                    let y = lin.forward(&x)?;
+                    let want = [&dims[..dims.len() - 1], &[n]].concat();
+                    assert_eq!(y.dims(), want, "{what} DenseLinear on {dims:?}");
+                }
+            }
+            Ok(())
+        },
+    )]
+}
+
 fn main() {
     let args = Arguments::from_args();
     let mut all = isa_trials("dense", bf16_matmul_trials);
     all.extend(isa_trials("dense_int8", int8_trials));
     all.extend(isa_trials("dense_int8", stacked_int8_trials));
+    all.extend(isa_trials("dense_empty", empty_input_trials));
     all.push(Trial::test("dense_linear_matches_candle_f32", || {
         dense_linear_matches_candle_f32();
         Ok(())

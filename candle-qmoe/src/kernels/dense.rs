@@ -13,6 +13,7 @@
 //! result does not depend on the thread count.
 
 use half::bf16;
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 use super::cpu::CpuIsa;
@@ -30,8 +31,10 @@ pub fn bf16_matmul(isa: CpuIsa, x: &[f32], m: usize, k: usize, w: &[bf16], n: us
     assert!(isa.is_available(), "{isa:?} is not supported by this CPU");
     assert_eq!(x.len(), m * k, "x must be [m, k]");
     assert_eq!(w.len(), n * k, "w must be [n, k]");
-    // SAFETY: `bf16` is a transparent `u16`.
-    let bits: &[u16] = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u16>(), w.len()) };
+    if m == 0 {
+        return Vec::new();
+    }
+    let bits: &[u16] = w.reinterpret_cast();
     // Output transposed ([n, m]) so that each task owns a contiguous run; for m = 1 the two
     // layouts coincide.
     let mut yt = vec![0f32; n * m];
@@ -478,6 +481,9 @@ struct ActRow<'a> {
 pub fn int8_matmul(isa: CpuIsa, x: &[f32], m: usize, w: &Int8Matrix) -> Vec<f32> {
     assert!(isa.is_available(), "{isa:?} is not supported by this CPU");
     assert_eq!(x.len(), m * w.cols, "x must be [m, {}]", w.cols);
+    if m == 0 {
+        return Vec::new();
+    }
     let acts = Int8Acts::new(isa, x, m, w.cols);
     let (n, padded) = (w.rows, acts.padded);
     let groups = padded / INT8_GROUP;
@@ -569,7 +575,7 @@ impl Int8Rows<'_> {
 fn int8_dots(isa: CpuIsa, w: &Int8Rows, rows: &[ActRow], out: &mut [f32], stride: usize) {
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `int8_matmul` checked that the CPU supports `isa` (AVX2 at least).
+        // SAFETY: `int8_matmul` checked that the CPU supports `isa` (AVX2 + FMA + F16C at least).
         CpuIsa::Avx2 => unsafe { x86_int8::dots_avx2(w, rows, out, stride) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above (AVX-512 VNNI).
