@@ -519,6 +519,35 @@ fn stored_decoder_layers_are_counted_from_the_headers() {
         .unwrap_err()
         .to_string();
     assert!(e.contains(&empty.display().to_string()), "{e}");
+    // A shard whose header cannot be read is named, with what is wrong with it.
+    let header = |len: u64, rest: &[u8]| [&len.to_le_bytes()[..], rest].concat();
+    let broken: [(&str, Vec<u8>, &str); 4] = [
+        ("short", b"abc".to_vec(), "not a readable safetensors file"),
+        (
+            "cut",
+            header(1000, b"{\"a\": 1"),
+            "the file ends inside its 1000-byte header",
+        ),
+        (
+            "huge",
+            header(u64::MAX, b"{}"),
+            "more than a safetensors header may hold",
+        ),
+        ("array", header(2, b"[]"), "not a JSON object"),
+    ];
+    for (tag, bytes, why) in broken {
+        let dir = checkpoint_copy(FIXTURES[0], &format!("header-{tag}"));
+        let shard = dir.join("model.safetensors");
+        std::fs::write(&shard, bytes).unwrap();
+        let e = models::stored_decoder_layers(&dir).unwrap_err();
+        assert!(
+            matches!(e, QmoeError::InvalidCheckpoint { .. }),
+            "{tag}: {e:?}"
+        );
+        let e = e.to_string();
+        assert!(e.contains(why), "{tag}: {e}");
+        assert!(e.contains(&shard.display().to_string()), "{tag}: {e}");
+    }
 }
 
 /// Builds the model of the checkpoint in `dir` with dense experts, as `generate` would.

@@ -197,7 +197,8 @@ pub fn fingerprint(dir: impl AsRef<Path>) -> crate::Result<String> {
     let config_path = dir.join("config.json");
     let config = super::read_config_text(&config_path)?;
     let spec = AnyConfig::from_json_str(&config)?.spec()?;
-    // SAFETY: read-only maps, dropped before returning; the same contract as `mmap_checkpoint`.
+    // SAFETY: read-only maps, dropped before returning; the caller does not modify the
+    // checkpoint meanwhile (the crate docs, "Memory-mapped files").
     let st = unsafe { CheckpointTensors::open(dir)? };
     let routers = spec
         .moe_blocks()
@@ -207,19 +208,82 @@ pub fn fingerprint(dir: impl AsRef<Path>) -> crate::Result<String> {
 }
 
 /// How many decoder layers the checkpoint in `dir` stores tensors of: the largest `i` of a
-/// `model.layers.{i}.…` tensor name plus one (0 for none), from the shards' headers alone.
-/// A config whose `num_hidden_layers` is smaller builds a model from the first layers only.
+/// `model.layers.{i}.…` tensor name plus one (0 for none), from the shards' headers alone (read,
+/// not mapped). A config whose `num_hidden_layers` is smaller builds a model from the first
+/// layers only. A shard whose header cannot be read is a [`QmoeError::InvalidCheckpoint`]
+/// naming the folder and the file.
 pub fn stored_decoder_layers(dir: impl AsRef<Path>) -> crate::Result<usize> {
-    // SAFETY: read-only maps of the headers, dropped before returning (the contract of
-    // `mmap_checkpoint`).
-    let tensors = unsafe { CheckpointTensors::open(dir)? };
-    Ok(tensors
-        .tensors
-        .keys()
-        .filter_map(|name| decoder_layer_of(name))
-        .map(|i| i + 1)
-        .max()
-        .unwrap_or(0))
+    let dir = dir.as_ref();
+    let mut layers = 0;
+    for path in checkpoint_files(dir)? {
+        let names = header_tensor_names(&path).map_err(|error| match error {
+            HeaderError::Io(error) => QmoeError::Io {
+                path: path.clone(),
+                error,
+            },
+            HeaderError::Invalid(reason) => QmoeError::InvalidCheckpoint {
+                dir: dir.to_path_buf(),
+                reason: format!("`{}`: {reason}", path.display()),
+            },
+        })?;
+        let stored = names.iter().filter_map(|name| decoder_layer_of(name));
+        layers = stored.map(|i| i + 1).fold(layers, usize::max);
+    }
+    Ok(layers)
+}
+
+/// The largest header a safetensors file may have (the format's own limit).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// Why a safetensors header could not be read.
+enum HeaderError {
+    /// The file could not be opened or read.
+    Io(std::io::Error),
+    /// The bytes are not a safetensors header.
+    Invalid(String),
+}
+
+/// The tensor names in the header of the safetensors file at `path`: its first 8 bytes give the
+/// header's length (little-endian), then that many bytes of a JSON object keyed by tensor name
+/// (and `__metadata__`).
+fn header_tensor_names(path: &Path) -> Result<Vec<String>, HeaderError> {
+    use std::io::Read;
+    let invalid = HeaderError::Invalid;
+    let mut file = std::fs::File::open(path).map_err(HeaderError::Io)?;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).map_err(|e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => invalid(
+            "not a readable safetensors file: shorter than the 8 bytes of its header length".into(),
+        ),
+        _ => HeaderError::Io(e),
+    })?;
+    let n = u64::from_le_bytes(len);
+    if n > MAX_HEADER_BYTES {
+        return Err(invalid(format!(
+            "its header length, {n} bytes, is more than a safetensors header may hold \
+             ({MAX_HEADER_BYTES})"
+        )));
+    }
+    let mut header = Vec::new();
+    file.take(n)
+        .read_to_end(&mut header)
+        .map_err(HeaderError::Io)?;
+    if header.len() as u64 != n {
+        return Err(invalid(format!(
+            "the file ends inside its {n}-byte header ({} bytes of it present)",
+            header.len()
+        )));
+    }
+    let json: serde_json::Value = serde_json::from_slice(&header)
+        .map_err(|e| invalid(format!("not a readable safetensors file: its header: {e}")))?;
+    let serde_json::Value::Object(map) = json else {
+        return Err(invalid("its header is not a JSON object".into()));
+    };
+    Ok(map
+        .into_iter()
+        .map(|(name, _)| name)
+        .filter(|name| name != "__metadata__")
+        .collect())
 }
 
 /// The decoder layer a tensor name belongs to (`model.layers.{i}.…`), if any.
