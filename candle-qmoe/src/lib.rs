@@ -70,6 +70,19 @@
 //! println!("{:?}, {:.1} tok/s", out.tokens, out.decode_tokens_per_s().unwrap());
 //! # Ok(()) }
 //! ```
+//!
+//! # Memory-mapped files
+//!
+//! Checkpoints and packs are read through memory maps, which are sound only while no one
+//! modifies or truncates the file underneath. Where the map outlives the call, the caller holds
+//! that promise, and the function is `unsafe`: [`models::mmap_checkpoint`] and
+//! [`models::CheckpointTensors::open`]. [`models::fingerprint`] and
+//! [`models::quantize_checkpoint`] map the checkpoint only for the length of the call (the same
+//! promise, for that long); [`models::stored_decoder_layers`] reads the headers without mapping.
+//! [`pack::PackFile::open`] is safe to call: a pack is never modified in place, since this
+//! crate's writers write a hidden `.NAME.partial` file and rename it over the old one, which
+//! leaves an open map on the old file's bytes; a pack rewritten in place by another program is
+//! outside that promise.
 
 #![warn(missing_docs)]
 

@@ -593,6 +593,10 @@ mod x86 {
     /// A group's exact partial sums as one instruction set's group-sum function leaves them
     /// (integer lanes whose total is the group's sum): what `row_tile!` and `token_lanes!`
     /// reduce to one total per group before scaling.
+    ///
+    /// # Safety
+    /// Both methods require a CPU with the instruction set of the implementing type (AVX2 for
+    /// `__m256i`, AVX-512 F and BW for `__m512i`).
     trait GroupSums: Copy {
         /// No partial sums.
         unsafe fn zero() -> Self;
@@ -1484,7 +1488,8 @@ impl ActInt for i16 {
         out: &mut [f32],
     ) {
         match isa {
-            // SAFETY: `routed_forward` checked that `isa` is available on this CPU.
+            // SAFETY: `routed_forward_into` checked that `isa` is available on this CPU (and
+            // `kernel_isa` only ever lowers it to AVX2).
             #[cfg(target_arch = "x86_64")]
             CpuIsa::Avx2 => unsafe { x86::block_avx2::<TB>(shape, m, rows, acts, out) },
             // SAFETY: as above.
@@ -1531,7 +1536,8 @@ impl ActInt for i8 {
         out: &mut [f32],
     ) {
         match isa {
-            // SAFETY: `routed_forward` checked that `isa` is available on this CPU.
+            // SAFETY: `routed_forward_into` checked that `isa` is available on this CPU (and
+            // `kernel_isa` only ever lowers it to AVX2).
             #[cfg(target_arch = "x86_64")]
             CpuIsa::Avx2 if acts.words => unsafe {
                 x86::block_a8_words_avx2::<TB>(shape, m, rows, acts, out)

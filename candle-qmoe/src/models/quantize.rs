@@ -75,7 +75,8 @@ impl Quantizer {
             fingerprint: fingerprint(dir)?,
         };
         Ok(Self {
-            // SAFETY: see `mmap_checkpoint`; the maps live only during quantization.
+            // SAFETY: the maps live only during quantization, and the caller does not modify
+            // the checkpoint meanwhile (the crate docs, "Memory-mapped files").
             tensors: unsafe { CheckpointTensors::open(dir)? },
             meta,
             moe,

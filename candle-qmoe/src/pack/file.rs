@@ -264,8 +264,8 @@ impl PackFile {
             error,
         };
         let file = std::fs::File::open(path).map_err(io)?;
-        // SAFETY: the file is opened read-only and the map is never written; as with every
-        // mmap-backed safetensors loader, the file must not be truncated while mapped.
+        // SAFETY: the file is opened read-only and the map is never written; packs are replaced
+        // by rename, never modified in place (the crate docs, "Memory-mapped files").
         let map = Arc::new(unsafe { memmap2::Mmap::map(&file) }.map_err(|e| bad(path, e))?);
         let (n, header) = safetensors::SafeTensors::read_metadata(&map).map_err(|e| {
             bad(

@@ -64,6 +64,11 @@ pub(super) unsafe fn attend_group_avx512<E: KvElem>(g: &GroupQueries<E>, out: &m
 /// `unsafe` (the CPU must support the width) and inlined into the entry point compiled for it;
 /// so is every function that calls one, none of them through a closure (which would be
 /// compiled apart, without the entry point's target features).
+///
+/// # Safety
+/// Every method requires a CPU with the width's instruction set (AVX2 + FMA for `__m256`,
+/// AVX-512 F for `__m512`); `load` and `store` need `N` F32 values readable or writable at `p`,
+/// `widen_bf16` 2·`N` BF16 values readable at `p`, each within one allocation.
 pub(super) trait Lanes: Copy {
     /// F32 lanes.
     const N: usize;
