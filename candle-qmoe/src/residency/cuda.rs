@@ -177,13 +177,17 @@ impl MemoryBackend for CudaMemory {
 
     fn alloc_staging(&self, bytes: usize) -> candle::Result<CudaStaging> {
         let ctx = self.device.cuda_stream().context().clone();
-        // SAFETY: staging bytes are written by the host before any copy reads them.
-        let pinned =
+        // SAFETY: the buffer is zero-filled below, before any slice of it is handed out or any
+        // copy reads it.
+        let mut pinned =
             unsafe { ctx.alloc_pinned::<u8>(bytes) }.map_err(|e| QmoeError::OutOfMemory {
                 what: "a pinned staging buffer".into(),
                 needed: bytes,
                 reason: e.to_string(),
             })?;
+        // Once per buffer (staging buffers are reused), so `staging_mut` never lends
+        // uninitialised bytes.
+        pinned.as_mut_slice().w()?.fill(0);
         Ok(CudaStaging {
             pinned,
             copy: self.copy.clone(),
