@@ -448,7 +448,11 @@ struct GroupQueries<'a, E> {
     keys: &'a [E],
     /// The kv head's `[len, d]` values.
     values: &'a [E],
+    /// The head dimension (read by the x86 kernels).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     d: usize,
+    /// The score scale, `1 / √d` (read by the x86 kernels).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     scale: f32,
 }
 

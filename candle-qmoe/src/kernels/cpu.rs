@@ -246,6 +246,8 @@ trait ActInt: Copy + Default + Send + Sync + Into<i32> {
     /// OLMoE layer at T = 1 on 2 threads of a Zen 4 EPYC (`layer_bench`, binaries
     /// alternating, 5 pairs): 0.83–0.89 ms against 0.97–1.12 with `i8` activations; with
     /// `i16`'s about 2% slower than adjacent rows (scratch build), so those stay adjacent.
+    /// Read by the x86 kernels only.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     const SPLIT_DECODE_TILES: bool;
     /// Folds one chunk of quantized activations in place if [`ActInt::FOLDED`].
     fn fold(chunk: &mut [Self]);
@@ -521,6 +523,7 @@ impl DotShape {
         self.check_acts::<T, TB>(acts);
     }
     /// [`check`](Self::check) for every row of `m` at once.
+    #[cfg(target_arch = "x86_64")]
     fn check_matrix<T, const TB: usize>(&self, m: &PackedMatrix, acts: &ActBlock<T>) {
         assert!(m.row_bytes >= self.chunks * CHUNK_BYTES && m.row_scale_bytes >= 2 * self.groups);
         self.check_acts::<T, TB>(acts);

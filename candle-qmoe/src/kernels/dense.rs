@@ -470,6 +470,7 @@ struct ActRow<'a> {
     /// One scale per group.
     scales: &'a [f32],
     /// `-128 ×` the sum of each run of 4 levels (VNNI only, else empty).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     offsets: &'a [i32],
 }
 
@@ -543,6 +544,7 @@ const DECODE_TILE_ROWS: usize = 4;
 /// a Zen 4 EPYC (3 runs of a scratch A/B alternating in one process): 9.5–9.7 ms per token
 /// against 10.6–11.1 for adjacent rows (the head alone 44–45 GB/s against 37–42); 1 and 4
 /// rows ahead 9.8–10.0 ms.
+#[cfg(target_arch = "x86_64")]
 const SPLIT_PREFETCH_ROWS: usize = 2;
 
 /// Rows of an [`Int8Matrix`] that one tile reads: `rows` rows, `spacing` matrix rows apart,

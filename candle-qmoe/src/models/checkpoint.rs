@@ -419,8 +419,12 @@ impl CheckpointTensors {
         Ok(())
     }
 
-    /// Asks the system to read the tensors `names` from disk now (a hint: it returns at once).
+    /// Asks the system to read the tensors `names` from disk now (a hint: it returns at once;
+    /// a no-op where the system has no `madvise`, i.e. not Unix).
     pub fn prefetch<'a>(&self, names: impl IntoIterator<Item = &'a str>) {
+        #[cfg(not(unix))]
+        let _ = names;
+        #[cfg(unix)]
         for name in names {
             if let Ok(t) = self.locate(name) {
                 let advice = memmap2::Advice::WillNeed;
@@ -431,8 +435,12 @@ impl CheckpointTensors {
 
     /// Drops the pages of the tensors `names` from this process's memory (they stay in the
     /// system's file cache, and are read again if used again), so reading a checkpoint piece by
-    /// piece keeps the resident memory at about one piece.
+    /// piece keeps the resident memory at about one piece. A no-op where the system has no
+    /// `madvise` (not Unix).
     pub fn release<'a>(&self, names: impl IntoIterator<Item = &'a str>) {
+        #[cfg(not(unix))]
+        let _ = names;
+        #[cfg(unix)]
         for name in names {
             if let Ok(t) = self.locate(name) {
                 // SAFETY: the map is a read-only view of a file that is not modified (see

@@ -541,8 +541,10 @@ impl LayerPack {
     /// Hands the pages of a memory-mapped layer back to the system: they leave this process's
     /// resident memory and are read again from the file when next used (e.g. after a one-off
     /// [`Self::verify`] of a whole pack). Owned bytes, and bytes read into memory
-    /// ([`PackFile::open_in_memory`]), are kept.
+    /// ([`PackFile::open_in_memory`]), are kept. A no-op where the system has no `madvise`
+    /// (not Unix).
     pub fn release_pages(&self) {
+        #[cfg(unix)]
         if let PackBytes::Mapped(map, range) = &self.bytes {
             // SAFETY: the map is a read-only view of a `.qmoe` file that must not be modified
             // while mapped (see `PackFile::open`): after MADV_DONTNEED a page is read back from
