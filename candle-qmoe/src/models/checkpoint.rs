@@ -216,16 +216,7 @@ pub fn stored_decoder_layers(dir: impl AsRef<Path>) -> crate::Result<usize> {
     let dir = dir.as_ref();
     let mut layers = 0;
     for path in checkpoint_files(dir)? {
-        let names = header_tensor_names(&path).map_err(|error| match error {
-            HeaderError::Io(error) => QmoeError::Io {
-                path: path.clone(),
-                error,
-            },
-            HeaderError::Invalid(reason) => QmoeError::InvalidCheckpoint {
-                dir: dir.to_path_buf(),
-                reason: format!("`{}`: {reason}", path.display()),
-            },
-        })?;
+        let names = header_tensor_names(dir, &path)?;
         let stored = names.iter().filter_map(|name| decoder_layer_of(name));
         layers = stored.map(|i| i + 1).fold(layers, usize::max);
     }
@@ -235,27 +226,31 @@ pub fn stored_decoder_layers(dir: impl AsRef<Path>) -> crate::Result<usize> {
 /// The largest header a safetensors file may have (the format's own limit).
 const MAX_HEADER_BYTES: u64 = 100_000_000;
 
-/// Why a safetensors header could not be read.
-enum HeaderError {
-    /// The file could not be opened or read.
-    Io(std::io::Error),
-    /// The bytes are not a safetensors header.
-    Invalid(String),
+/// A damaged shard `path` of the checkpoint in `dir`: the folder, the file and what is wrong.
+fn invalid_shard(dir: &Path, path: &Path, reason: String) -> QmoeError {
+    QmoeError::InvalidCheckpoint {
+        dir: dir.to_path_buf(),
+        reason: format!("`{}`: {reason}", path.display()),
+    }
 }
 
-/// The tensor names in the header of the safetensors file at `path`: its first 8 bytes give the
-/// header's length (little-endian), then that many bytes of a JSON object keyed by tensor name
-/// (and `__metadata__`).
-fn header_tensor_names(path: &Path) -> Result<Vec<String>, HeaderError> {
+/// The tensor names in the header of the safetensors shard `path` of the checkpoint in `dir`:
+/// its first 8 bytes give the header's length (little-endian), then that many bytes of a JSON
+/// object keyed by tensor name (and `__metadata__`).
+fn header_tensor_names(dir: &Path, path: &Path) -> crate::Result<Vec<String>> {
     use std::io::Read;
-    let invalid = HeaderError::Invalid;
-    let mut file = std::fs::File::open(path).map_err(HeaderError::Io)?;
+    let invalid = |reason: String| invalid_shard(dir, path, reason);
+    let io = |error| QmoeError::Io {
+        path: path.to_path_buf(),
+        error,
+    };
+    let mut file = std::fs::File::open(path).map_err(io)?;
     let mut len = [0u8; 8];
     file.read_exact(&mut len).map_err(|e| match e.kind() {
         std::io::ErrorKind::UnexpectedEof => invalid(
             "not a readable safetensors file: shorter than the 8 bytes of its header length".into(),
         ),
-        _ => HeaderError::Io(e),
+        _ => io(e),
     })?;
     let n = u64::from_le_bytes(len);
     if n > MAX_HEADER_BYTES {
@@ -265,9 +260,7 @@ fn header_tensor_names(path: &Path) -> Result<Vec<String>, HeaderError> {
         )));
     }
     let mut header = Vec::new();
-    file.take(n)
-        .read_to_end(&mut header)
-        .map_err(HeaderError::Io)?;
+    file.take(n).read_to_end(&mut header).map_err(io)?;
     if header.len() as u64 != n {
         return Err(invalid(format!(
             "the file ends inside its {n}-byte header ({} bytes of it present)",
@@ -335,10 +328,7 @@ impl CheckpointTensors {
         let mut shards = Vec::new();
         let mut tensors = HashMap::new();
         for path in checkpoint_files(&dir)? {
-            let invalid = |reason: String| QmoeError::InvalidCheckpoint {
-                dir: dir.clone(),
-                reason: format!("`{}`: {reason}", path.display()),
-            };
+            let invalid = |reason: String| invalid_shard(&dir, &path, reason);
             let file = std::fs::File::open(&path).map_err(|error| QmoeError::Io {
                 path: path.clone(),
                 error,
