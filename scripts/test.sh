@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command: format check, clippy with -D warnings (and on the library for
 # aarch64 Linux and Windows), the API docs with rustdoc's warnings as errors (broken or private
-# intra-doc links), release tests. Clippy runs
-# inside the release build of every target (scripts/ci-lib.sh), so that build is not repeated;
+# intra-doc links), release tests. Clippy runs inside the release build of every target
+# (scripts/ci-lib.sh), so that build is not repeated;
 # rustdoc needs the dependencies' metadata in the dev profile (about 50 s cold on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
