@@ -489,6 +489,35 @@ fn attention_trials(name: &str, isa: CpuIsa) -> Vec<Trial> {
                 Ok(())
             },
         ),
+        Trial::test(
+            format!("{name}::non_finite_scores_give_non_finite_outputs"),
+            move || {
+                // A NaN or infinite query element (a broken q_proj or q_norm weight) makes every
+                // score of its head non-finite: the head's output must say so, not turn into an
+                // average of the values (an exp clamp or a max that drops NaN would).
+                for dtype in [KvDtype::F32, KvDtype::Bf16] {
+                    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                        for (d, len) in [(64, 37), (40, 5)] {
+                            let (heads, mut rng) = (2, Rng::new(5));
+                            let mut cache = KvCache::new(1, 1, d, dtype);
+                            let kv = rng.normals(len * d, 1.0);
+                            cache.append(&kv, &rng.normals(len * d, 1.0), len);
+                            let mut q = rng.normals(heads * d, 1.0);
+                            q[3] = bad;
+                            let out = attend_with_isa(&q, &cache, 1, heads, 0.125, isa);
+                            let what = format!("{isa:?} {dtype:?} d {d}, query element {bad}");
+                            assert!(
+                                out[..d].iter().all(|v| !v.is_finite()),
+                                "{what}: {:?}",
+                                &out[..4]
+                            );
+                            assert!(out[d..].iter().all(|v| v.is_finite()), "{what}: other head");
+                        }
+                    }
+                }
+                Ok(())
+            },
+        ),
         Trial::test(format!("{name}::matches_f64_at_4096_context"), move || {
             // 4000 positions cached, then decode steps to 4096 across a growth step.
             let mut chunks = vec![4000];

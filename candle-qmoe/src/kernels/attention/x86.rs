@@ -81,6 +81,7 @@ pub(super) trait Lanes: Copy {
     unsafe fn add(self, b: Self) -> Self;
     unsafe fn sub(self, b: Self) -> Self;
     unsafe fn mul(self, b: Self) -> Self;
+    /// The larger per lane, `b` where either is NaN (`vmaxps`).
     unsafe fn max(self, b: Self) -> Self;
     /// `self · b + c`.
     unsafe fn mul_add(self, b: Self, c: Self) -> Self;
@@ -488,15 +489,18 @@ unsafe fn softmax_weights<V: Lanes>(scores: &mut [f32]) -> f32 {
 }
 
 /// `exp(x)` for `x ≤ 0` to about 2 ulp (below −87 it returns `exp(−87)` ≈ 1.6e−38, nothing
-/// beside a softmax's largest weight of 1): `x = n·ln 2 + r` with `|r| ≤ ln 2 / 2`, a degree-7
-/// polynomial for `exp(r)` (Cephes' `expf` coefficients), and `2ⁿ` built in the exponent bits.
+/// beside a softmax's largest weight of 1; NaN stays NaN): `x = n·ln 2 + r` with
+/// `|r| ≤ ln 2 / 2`, a degree-7 polynomial for `exp(r)` (Cephes' `expf` coefficients), and
+/// `2ⁿ` built in the exponent bits.
 ///
 /// # Safety
 /// The width `V`.
 #[inline(always)]
 unsafe fn exp<V: Lanes>(x: V) -> V {
     unsafe {
-        let x = x.max(V::splat(-87.0));
+        // `max` returns its second operand when either is NaN: a NaN score (a non-finite
+        // query or key, or ∞ − ∞ against an infinite maximum) must reach the output.
+        let x = V::splat(-87.0).max(x);
         let n = x.mul(V::splat(std::f32::consts::LOG2_E)).round();
         // ln 2 split in two so that n · the first part is exact.
         let r = n.neg_mul_add(V::splat(0.693_359_4), x);
