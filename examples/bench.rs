@@ -314,6 +314,7 @@ fn print_table(runs: &[&Run]) {
 }
 
 fn main() -> Result<()> {
+    candle_qmoe_suite::model::end_quietly_on_broken_pipe();
     let args = Args::parse();
     // The whole run on a thread of rayon's pool (see `on_rayon_pool`).
     candle_qmoe::pool::on_rayon_pool(move || run(args))

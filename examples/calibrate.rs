@@ -47,7 +47,7 @@ struct Args {
     #[arg(long = "new", default_value_t = 4)]
     new_tokens: usize,
     /// Append the record as one JSON line to this file.
-    #[arg(long)]
+    #[arg(long, value_parser = candle_qmoe_suite::model::output_path)]
     jsonl: Option<PathBuf>,
     /// Print the table of the records in this JSON-lines file and exit.
     #[arg(long, conflicts_with_all = ["synthetic", "jsonl"])]
@@ -62,6 +62,7 @@ where
 }
 
 fn main() -> Result<()> {
+    candle_qmoe_suite::model::end_quietly_on_broken_pipe();
     let args = Args::parse();
     if let Some(path) = &args.table {
         return print_table(path);

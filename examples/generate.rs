@@ -89,6 +89,7 @@ fn check_args(args: &Args) -> Result<()> {
 }
 
 fn main() -> Result<()> {
+    candle_qmoe_suite::model::end_quietly_on_broken_pipe();
     let args = Args::parse();
     // The whole run on a thread of rayon's pool (see `on_rayon_pool`).
     candle_qmoe::pool::on_rayon_pool(move || run(args))
@@ -104,7 +105,8 @@ fn run(args: Args) -> Result<()> {
     let load_time = start.elapsed();
     let spec = loaded.model.spec().clone();
     println!(
-        "{} ({}, revision {}): experts {:?}{}, other weights {dtype:?}, {:?}, loaded in {:.1} s",
+        "{} ({}, revision {}): experts {:?}{}, other weights {}, dtype {dtype:?}, {:?}, \
+         loaded in {:.1} s",
         loaded.model_id,
         spec.model_type,
         loaded.revision,
@@ -113,6 +115,7 @@ fn run(args: Args) -> Result<()> {
             .group_size
             .map(|g| format!(" g{g}"))
             .unwrap_or_default(),
+        loaded.model.dense_weights().to_uppercase(),
         device,
         load_time.as_secs_f64()
     );
@@ -196,10 +199,11 @@ fn report(
     let decode = g.decode_tokens_per_s();
     let traffic = candle_qmoe_suite::perf::traffic_json(&loaded.model, decode);
     println!(
-        "stats: {} prompt tokens, {:.2} tok/s | {} generated tokens, {} decode ({} weights per \
+        "stats: {} prompt tokens, {} | {} generated tokens, {} decode ({} weights per \
          token, {}) | time to first token {:.3} s | peak RSS {} | stop: {:?}",
         g.prompt_tokens,
-        g.prompt_tokens_per_s(),
+        g.prompt_tokens_per_s()
+            .map_or("n/a".to_string(), |p| format!("{p:.2} tok/s")),
         g.tokens.len(),
         decode.map_or("n/a".to_string(), |d| format!("{d:.2} tok/s")),
         candle_qmoe::plan::format_bytes(loaded.model.weight_bytes_per_token() as u64),

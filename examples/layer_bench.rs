@@ -105,7 +105,7 @@ struct Args {
     #[arg(long, default_value_t = 128)]
     group_size: usize,
     /// Timed iterations per backend (round-robin across backends).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..).map(|v| v as usize))]
     iters: Option<usize>,
     /// Consecutive calls per timed sample (each on the next routing), as the MoE layers of one
     /// decode step follow each other; the time is reported per call. 1 times single calls
@@ -134,6 +134,7 @@ fn tensor_rel_err(a: &Tensor, b: &Tensor) -> Result<f64> {
 }
 
 fn main() -> Result<()> {
+    candle_qmoe_suite::model::end_quietly_on_broken_pipe();
     let args = Args::parse();
     let (name, shape) = args.shape.moe();
     let MoeShape {

@@ -19,6 +19,7 @@ use serde_json::json;
 struct Args {}
 
 fn main() -> anyhow::Result<()> {
+    candle_qmoe_suite::model::end_quietly_on_broken_pipe();
     Args::parse();
     let bw = memory_bandwidth();
     let mut line = serde_json::to_value(bw)?;

@@ -111,6 +111,7 @@ fn fraction(s: &str) -> Result<f64, String> {
 }
 
 fn main() -> Result<()> {
+    candle_qmoe_suite::model::end_quietly_on_broken_pipe();
     let args = Args::parse();
     let dtype = if args.dtype == "bf16" {
         DType::BF16

@@ -141,6 +141,7 @@ fn load_config(args: &Args) -> Result<(AnyConfig, String)> {
 }
 
 fn main() -> Result<()> {
+    candle_qmoe_suite::model::end_quietly_on_broken_pipe();
     let args = Args::parse();
     let (config, source) = load_config(&args)?;
     let spec = config.spec()?;

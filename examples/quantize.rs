@@ -85,6 +85,7 @@ fn peak_rss() -> String {
 }
 
 fn main() -> Result<()> {
+    candle_qmoe_suite::model::end_quietly_on_broken_pipe();
     let args = Args::parse();
     // clap does not enforce `requires` between these two (each requires the other).
     if args.save_checkpoint.is_some() && args.synthetic.is_none() {
@@ -117,6 +118,9 @@ fn main() -> Result<()> {
     });
     let mut model_dir = args.model_dir.clone();
     if let (Some(kind), Some(dir)) = (args.synthetic, &args.save_checkpoint) {
+        if dir.exists() && !dir.is_dir() {
+            bail!("`{}` is a file; name a new or empty folder", dir.display());
+        }
         if std::fs::read_dir(dir).is_ok_and(|mut d| d.next().is_some()) {
             bail!(
                 "`{}` is not empty; remove it or choose another folder",

@@ -43,7 +43,7 @@ struct Args {
     #[arg(long)]
     cpu: bool,
     /// Where to write the JSON results (may be repeated).
-    #[arg(long = "json")]
+    #[arg(long = "json", value_parser = candle_qmoe_suite::model::output_path)]
     json: Vec<std::path::PathBuf>,
     /// Decode steps per layer trace.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..).map(|v| v as usize))]
@@ -371,6 +371,7 @@ fn save(args: &Args, doc: &Value) -> Result<()> {
 }
 
 fn main() -> Result<()> {
+    candle_qmoe_suite::model::end_quietly_on_broken_pipe();
     let args = Args::parse();
     let device = if args.cpu {
         Device::Cpu

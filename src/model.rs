@@ -200,6 +200,20 @@ pub fn parse_arg<T: std::str::FromStr<Err = candle_qmoe::QmoeError>>(s: &str) ->
     s.parse().map_err(|e: candle_qmoe::QmoeError| e.to_string())
 }
 
+/// Gives SIGPIPE its default action back, as command-line tools written in C have it: the
+/// process ends quietly when the reader of its output goes away (`generate … | head`). Rust
+/// ignores the signal, so `println!` would panic on the broken pipe instead. For the examples
+/// that print results, not for the server (a client that hangs up must not end it). Does
+/// nothing off Unix.
+pub fn end_quietly_on_broken_pipe() {
+    // SAFETY: called first thing in `main`, before any other thread exists; `signal` with
+    // `SIG_DFL` installs no handler code.
+    #[cfg(unix)]
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 /// A clap value parser for a file the program writes: refused when the flags are read, not
 /// after the work, if its folder does not exist or the path is a folder.
 pub fn output_path(s: &str) -> Result<std::path::PathBuf, String> {

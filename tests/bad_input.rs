@@ -703,6 +703,43 @@ fn unsupported_families_are_refused_naming_the_type() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A config.json that is JSON but not an object is refused as such, naming the file and what
+/// it holds (not as an unsupported `architectures`).
+#[test]
+fn a_config_that_is_not_an_object_is_refused_as_such() {
+    let dir = temp_dir("config-not-object");
+    let path = dir.join("config.json");
+    for (text, found) in [
+        ("[]", "a list"),
+        ("null", "null"),
+        ("\"olmoe\"", "a string"),
+        ("7", "a number"),
+    ] {
+        std::fs::write(&path, text).unwrap();
+        let msg = AnyConfig::from_file(&path).unwrap_err().to_string();
+        for needle in [found, "not a JSON object", &path.display().to_string()] {
+            assert!(msg.contains(needle), "{text}: `{needle}` not in: {msg}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A folder given as a pack is refused as a folder, naming it.
+#[test]
+fn a_folder_given_as_a_pack_is_refused_as_such() {
+    let dir = temp_dir("pack-folder");
+    for open in [PackFile::open, PackFile::open_in_memory] {
+        let e = open(&dir).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            matches!(&e, QmoeError::CorruptPack { path, .. } if path == &dir),
+            "{msg}"
+        );
+        assert!(msg.contains("a folder, not a .qmoe file"), "{msg}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A pack whose expert 5 of layer 1 has 200 bytes overwritten loads (only the header is read),
 /// computes with the other experts, and refuses the damaged one when it is first read — by the
 /// CPU kernel, by a residency miss, or by an eager `verify`, mapped or read into memory —

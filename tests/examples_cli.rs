@@ -1,5 +1,6 @@
 //! The example binaries as a user runs them, for behaviour that lives in their `main`: the
-//! `parity` verdict's exit status, and `quantize --out` inside the `--save-checkpoint` folder.
+//! `parity` verdict's exit status, `quantize --out` inside the `--save-checkpoint` folder, and
+//! `generate` piped into a reader that stops early.
 //! `cargo test` builds the examples next to this test's own profile folder; a partial run
 //! (`cargo test --test examples_cli`) needs `cargo build --examples` (with `--release` to match)
 //! first, and fails naming it otherwise.
@@ -107,4 +108,41 @@ fn quantize_writes_its_pack_into_the_folder_it_creates() {
     assert!(text(&out).contains("does not exist"), "{}", text(&out));
     assert!(!other.exists(), "nothing written before the refusal");
     std::fs::remove_dir_all(&tmp).unwrap();
+}
+
+/// `generate … | head -c 5`: when the reader of its output goes away, `generate` ends quietly
+/// (SIGPIPE's default action, as C tools have) instead of panicking in `println!`.
+#[cfg(unix)]
+#[test]
+fn generate_ends_quietly_when_its_reader_goes_away() {
+    use std::io::Read;
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Stdio;
+    let mut child = Command::new(example("generate"))
+        .args([
+            "--synthetic",
+            "tiny",
+            "--cpu",
+            "-n",
+            "1000",
+            "--prompt",
+            "hi",
+        ])
+        .env_remove("RUST_BACKTRACE")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 5];
+    child.stdout.take().unwrap().read_exact(&mut first).unwrap();
+    // The read end is dropped here: the next write gets EPIPE.
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGPIPE),
+        "{:?}: {stderr}",
+        out.status
+    );
 }

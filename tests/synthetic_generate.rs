@@ -49,7 +49,7 @@ fn synthetic_tiny_generation_is_deterministic_for_a_seed() {
     assert_eq!(ga.stop, StopReason::MaxTokens);
     assert_eq!(ga.prompt_tokens, PROMPT.len());
     assert!(ga.tokens.iter().all(|&t| t < 50304));
-    assert!(ga.decode_tokens_per_s().unwrap() > 0.0 && ga.prompt_tokens_per_s() > 0.0);
+    assert!(ga.decode_tokens_per_s().unwrap() > 0.0 && ga.prompt_tokens_per_s().unwrap() > 0.0);
     // The same model again (the KV cache is cleared by `generate`) gives the same tokens.
     assert_eq!(sampled(&mut ma, 299792458, 12).tokens, ga.tokens);
 

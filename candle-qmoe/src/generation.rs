@@ -73,9 +73,11 @@ pub struct Generation {
 }
 
 impl Generation {
-    /// Prompt tokens per second of the prefill (prompt tokens / time to first token).
-    pub fn prompt_tokens_per_s(&self) -> f64 {
-        self.prompt_tokens as f64 / self.time_to_first_token.as_secs_f64()
+    /// Prompt tokens per second of the prefill (prompt tokens / time to first token); `None`
+    /// when no token was generated (no prefill ran).
+    pub fn prompt_tokens_per_s(&self) -> Option<f64> {
+        let t = self.time_to_first_token.as_secs_f64();
+        (!self.tokens.is_empty() && t > 0.0).then(|| self.prompt_tokens as f64 / t)
     }
 
     /// Decode rate as docs/architecture.md §6 defines it: (generated − 1) / decode time after

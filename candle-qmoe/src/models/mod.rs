@@ -129,6 +129,19 @@ impl AnyConfig {
     /// `model_type`, the first `architectures` entry chooses the family.
     pub fn from_json_str(json: &str) -> crate::Result<Self> {
         let value: serde_json::Value = parse_json(json, "model")?;
+        if !value.is_object() {
+            let found = match value {
+                serde_json::Value::Array(_) => "a list",
+                serde_json::Value::String(_) => "a string",
+                serde_json::Value::Number(_) => "a number",
+                serde_json::Value::Bool(_) => "a boolean",
+                _ => "null",
+            };
+            return Err(QmoeError::InvalidFile {
+                file: "model config.json".into(),
+                reason: format!("it holds {found}, not a JSON object of settings"),
+            });
+        }
         let model_type = value.get("model_type").and_then(|t| t.as_str());
         let arch = value
             .get("architectures")

@@ -263,6 +263,9 @@ impl PackFile {
             path: path.to_path_buf(),
             error,
         };
+        if path.is_dir() {
+            return Err(bad(path, "a folder, not a .qmoe file: name a file"));
+        }
         let file = std::fs::File::open(path).map_err(io)?;
         // SAFETY: the file is opened read-only and the map is never written; packs are replaced
         // by rename, never modified in place (the crate docs, "Memory-mapped files").
