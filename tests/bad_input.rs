@@ -1005,3 +1005,57 @@ fn a_mixtral_config_without_experts_names_num_local_experts() {
         "{err}"
     );
 }
+
+/// A pack made before the checkpoint's experts were changed in place (same config.json, same
+/// routers) is refused: the fingerprint samples the expert weights. Every expert weight of the
+/// OLMoE fixture zeroed, and separately 8 bytes flipped in the middle of one sampled weight.
+#[test]
+fn a_pack_of_experts_changed_since_is_refused() {
+    let dir = checkpoint_copy("olmoe-tiny", "experts-changed");
+    let pack = dir.join("tiny.qmoe");
+    let opts = models::QuantizeOptions::default();
+    models::quantize_checkpoint_to_file(&dir, &pack, &opts, &|_, _| {}).unwrap();
+    let file = PackFile::open(&pack).unwrap();
+    let meta = file.meta().clone();
+    let check = || {
+        let now = models::fingerprint(&dir).unwrap();
+        let (h, i) = (meta.layout.hidden, meta.layout.intermediate);
+        file.check_source(&now, h, i, meta.num_experts)
+    };
+    check().unwrap();
+    let st_path = dir.join("model.safetensors");
+    let original = std::fs::read(&st_path).unwrap();
+    let changed = |change: &dyn Fn(&mut Safetensors)| {
+        let mut st = Safetensors::parse(&original);
+        change(&mut st);
+        st.to_bytes()
+    };
+    let zeroed = changed(&|st| {
+        let experts = st
+            .tensor_names()
+            .into_iter()
+            .filter(|n| n.contains(".experts."));
+        for name in experts.collect::<Vec<_>>() {
+            let r = st.range(&name);
+            st.data[r].fill(0);
+        }
+    });
+    let flipped = changed(&|st| {
+        let r = st.range("model.layers.1.mlp.experts.0.down_proj.weight");
+        let mid = r.start + r.len() / 2;
+        st.data[mid - 4..mid + 4]
+            .iter_mut()
+            .for_each(|b| *b ^= 0x55);
+    });
+    for (what, bytes) in [("zeroed experts", zeroed), ("flipped bytes", flipped)] {
+        std::fs::write(&st_path, bytes).unwrap();
+        let e = check().unwrap_err();
+        assert!(
+            matches!(&e, QmoeError::PackMismatch { reason, .. } if reason.contains("fingerprint")),
+            "{what}: {e}"
+        );
+    }
+    std::fs::write(&st_path, &original).unwrap();
+    check().unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -191,7 +191,12 @@ impl SimpleBackend for NamedCheckpoint {
 
 /// The fingerprint a `.qmoe` pack records of its source (see
 /// [`crate::pack::file::checkpoint_fingerprint`]): `config.json`'s bytes and the raw stored bytes of
-/// every MoE layer's router weight, so a pack is tied to this checkpoint and no other.
+/// every MoE layer's router weight, then `+` and a digest of a sample of the expert weights
+/// ([`EXPERT_SAMPLE_BYTES`] from the middle of the gate, up and down weights of
+/// [`SAMPLED_EXPERTS`] experts spread over each MoE layer, the first and the last among them), so a pack is tied to this checkpoint
+/// and no other, and a checkpoint whose experts were re-trained or replaced in place (same
+/// config, same routers) no longer matches the pack made before. A sample, not every byte:
+/// an edit of a few weights can go unseen; `quantize` again after changing experts.
 pub fn fingerprint(dir: impl AsRef<Path>) -> crate::Result<String> {
     let dir = dir.as_ref();
     let config_path = dir.join("config.json");
@@ -204,8 +209,38 @@ pub fn fingerprint(dir: impl AsRef<Path>) -> crate::Result<String> {
         .moe_blocks()
         .map(|(i, m)| Ok(st.get(&m.names.router_weight(i))?.data))
         .collect::<crate::Result<Vec<_>>>()?;
-    Ok(checkpoint_fingerprint(config.as_bytes(), routers))
+    let mut samples = Vec::new();
+    for (layer, m) in spec.moe_blocks() {
+        // From the last expert down, so that a config naming more experts than the checkpoint
+        // holds is refused by the name that shows the count it claims.
+        let last = m.num_experts - 1;
+        let experts = (0..SAMPLED_EXPERTS)
+            .rev()
+            .map(|j| j * last / (SAMPLED_EXPERTS - 1));
+        let mut experts: Vec<usize> = experts.collect();
+        experts.dedup();
+        for e in experts {
+            for name in m.names.expert_weights(layer, e) {
+                let data = st.get(&name)?.data;
+                let at = (data.len() / 2).saturating_sub(EXPERT_SAMPLE_BYTES / 2);
+                samples.push(&data[at..(at + EXPERT_SAMPLE_BYTES).min(data.len())]);
+            }
+        }
+    }
+    Ok(format!(
+        "{}+{}",
+        checkpoint_fingerprint(config.as_bytes(), routers),
+        checkpoint_fingerprint(b"experts", samples)
+    ))
 }
+
+/// Experts per MoE layer whose weights [`fingerprint`] samples (evenly spread from the first
+/// to the last).
+pub const SAMPLED_EXPERTS: usize = 4;
+
+/// Bytes [`fingerprint`] takes from the middle of each sampled expert weight: one page touched
+/// per weight (12 per MoE layer), never the whole tensor.
+pub const EXPERT_SAMPLE_BYTES: usize = 256;
 
 /// How many decoder layers the checkpoint in `dir` stores tensors of: the largest `i` of a
 /// `model.layers.{i}.…` tensor name plus one (0 for none), from the shards' headers alone (read,

@@ -38,7 +38,9 @@ pub struct PackMeta {
     pub source_model: String,
     /// Source revision (hub revision or `local`).
     pub source_revision: String,
-    /// Fingerprint of the source checkpoint (see [`checkpoint_fingerprint`]).
+    /// Fingerprint of the source checkpoint: a [`checkpoint_fingerprint`], then for a
+    /// checkpoint folder `+` and the digest of a sample of its expert weights (see
+    /// [`crate::models::fingerprint`]).
     pub fingerprint: String,
 }
 
@@ -55,6 +57,19 @@ pub fn checkpoint_fingerprint<'a>(
         h.update(r);
     }
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Whether a pack's recorded fingerprint and a checkpoint's describe the same source: equal
+/// first parts (config and routers), and equal expert samples when both have one (the part after
+/// `+`; packs written before the sample existed record only the first part, and stay usable).
+fn same_source(recorded: &str, checkpoint: &str) -> bool {
+    let mut recorded = recorded.split('+');
+    let mut checkpoint = checkpoint.split('+');
+    recorded.next() == checkpoint.next()
+        && match (recorded.next(), checkpoint.next()) {
+            (Some(a), Some(b)) => a == b,
+            _ => true,
+        }
 }
 
 /// A memory-mapped `.qmoe` file.
@@ -326,10 +341,10 @@ impl PackFile {
             fingerprint: get("fingerprint")?,
         };
         let is_hex = |f: &str| f.len() == 64 && f.bytes().all(|b| b.is_ascii_hexdigit());
-        if !is_hex(&meta.fingerprint) {
+        if !meta.fingerprint.split('+').all(is_hex) || meta.fingerprint.split('+').count() > 2 {
             return Err(bad(
                 path,
-                "metadata `fingerprint` is not 64 hexadecimal digits",
+                "metadata `fingerprint` is not 64 hexadecimal digits (or two such, joined by `+`)",
             ));
         }
         let slab_bytes = layout.checked_slab_bytes().map_err(|e| in_file(path, e))?;
@@ -433,7 +448,7 @@ impl PackFile {
         num_experts: usize,
     ) -> crate::Result<()> {
         let m = &self.meta;
-        if m.fingerprint != fingerprint {
+        if !same_source(&m.fingerprint, fingerprint) {
             let short = |f: &str| f.chars().take(12).collect::<String>();
             return Err(self.mismatch(format!(
                 "its fingerprint {}… is not this checkpoint's {}…",
@@ -500,6 +515,18 @@ mod tests {
             fingerprint: checkpoint_fingerprint(b"{}", [&b"router"[..]]),
         };
         (meta, layers)
+    }
+
+    /// A fingerprint with an expert sample matches only the same sample; one without (a pack
+    /// written before the sample existed) matches on its first part alone.
+    #[test]
+    fn expert_samples_decide_only_when_both_sides_have_one() {
+        let (a, b, c) = ("a".repeat(64), "b".repeat(64), "c".repeat(64));
+        assert!(same_source(&format!("{a}+{b}"), &format!("{a}+{b}")));
+        assert!(!same_source(&format!("{a}+{b}"), &format!("{a}+{c}")));
+        assert!(!same_source(&format!("{a}+{b}"), &format!("{c}+{b}")));
+        assert!(same_source(&a, &format!("{a}+{c}")));
+        assert!(!same_source(&a, &format!("{c}+{b}")));
     }
 
     #[test]
