@@ -470,6 +470,34 @@ fn inconsistent_configs_are_refused() {
     for name in ["qwen2moe-tiny", "qwen3moe-tiny"] {
         let e = spec_error(&edit_config(name, |v| v["decoder_sparse_step"] = 0.into()));
         refused(e, "decoder_sparse_step", "0");
+        // Configs that leave every layer dense are refused when read (so `plan` refuses them
+        // as `generate` and `quantize` do), naming what decides it.
+        let layers = 2;
+        for edit in [
+            json!({"num_experts": 0}),
+            json!({"decoder_sparse_step": layers + 1}),
+            json!({"mlp_only_layers": [0, 1]}),
+        ] {
+            let e = spec_error(&edit_config(name, |v| {
+                v["num_hidden_layers"] = layers.into();
+                for (k, x) in edit.as_object().unwrap() {
+                    v[k] = x.clone();
+                }
+            }));
+            let msg = refused(
+                e,
+                "model_type",
+                if name.starts_with("qwen2") {
+                    "qwen2_moe"
+                } else {
+                    "qwen3_moe"
+                },
+            );
+            assert!(
+                msg.contains("no MoE layer") && msg.contains("num_experts"),
+                "{edit}: {msg}"
+            );
+        }
         let e = spec_error(&edit_config(name, |v| {
             v["use_sliding_window"] = true.into()
         }));

@@ -292,6 +292,9 @@ impl ModelSpec {
                 ));
             }
         }
+        if self.moe_blocks().next().is_none() {
+            return Err(no_moe_layer(&self.model_type));
+        }
         Ok(())
     }
 
@@ -304,9 +307,7 @@ impl ModelSpec {
     /// error when the model has no MoE layer or its MoE layers differ.
     pub fn uniform_moe(&self) -> crate::Result<&MoeSpec> {
         let mut moe = self.moe_blocks().map(|(_, m)| m);
-        let first = moe.next().ok_or_else(|| {
-            QmoeError::unsupported("model_type", &self.model_type, "without a MoE layer")
-        })?;
+        let first = moe.next().ok_or_else(|| no_moe_layer(&self.model_type))?;
         if moe.any(|m| m != first) {
             return Err(QmoeError::unsupported(
                 "model_type",
@@ -339,6 +340,17 @@ impl ModelSpec {
     pub fn moe_layers(&self) -> Vec<usize> {
         self.moe_blocks().map(|(i, _)| i).collect()
     }
+}
+
+/// The error of a model whose every layer is dense: nothing for an expert pack to hold.
+fn no_moe_layer(model_type: &str) -> QmoeError {
+    QmoeError::unsupported(
+        "model_type",
+        model_type,
+        "with no MoE layer: every decoder layer is dense (num_experts is 0, or \
+         decoder_sparse_step and mlp_only_layers leave no sparse layer); candle-qmoe runs \
+         mixture-of-experts models",
+    )
 }
 
 impl ModelConfig for ModelSpec {
