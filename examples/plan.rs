@@ -54,7 +54,7 @@ struct Args {
     #[arg(long)]
     model_id: Option<String>,
     /// Hub revision (branch, tag or commit) for --model-id.
-    #[arg(long, requires = "model_id")]
+    #[arg(long, requires = "model_id", conflicts_with_all = ["config", "model_dir", "synthetic"])]
     revision: Option<String>,
     /// The config of a synthetic model: tiny, olmoe, qwen2moe, qwen3moe or mixtral.
     #[arg(long, value_parser = parse_arg::<SyntheticKind>)]

@@ -45,7 +45,7 @@ struct Args {
     #[arg(long)]
     revision: Option<String>,
     /// Local checkpoint folder (config.json + safetensors) instead of the hub.
-    #[arg(long, conflicts_with = "synthetic")]
+    #[arg(long, conflicts_with_all = ["synthetic", "model_id", "revision"])]
     model_dir: Option<PathBuf>,
     /// Synthetic model (tiny, olmoe, qwen2moe, qwen3moe or mixtral: real shapes, random BF16
     /// weights) to write as a checkpoint folder with --save-checkpoint, instead of reading one.

@@ -103,10 +103,11 @@ impl Default for Batching {
 pub struct ModelArgs {
     /// Hugging Face model id: allenai/OLMoE-1B-7B-0924(-Instruct), allenai/OLMoE-1B-7B-0125(-Instruct),
     /// Qwen/Qwen1.5-MoE-A2.7B(-Chat).
-    #[arg(long, default_value = "allenai/OLMoE-1B-7B-0924-Instruct")]
+    #[arg(long, default_value = "allenai/OLMoE-1B-7B-0924-Instruct",
+          conflicts_with_all = ["model_dir", "synthetic"])]
     pub model_id: String,
     /// Hub revision (branch, tag or commit).
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["model_dir", "synthetic"])]
     pub revision: Option<String>,
     /// Local checkpoint folder (config.json, safetensors, tokenizer.json) instead of the hub.
     #[arg(long, conflicts_with = "synthetic")]
@@ -368,6 +369,12 @@ impl ModelArgs {
     /// whose length is not the number of MoE layers.
     /// Returns that plan ([`Self::plan`]).
     pub fn check(&self, dtype: DType, device: &Device) -> Result<Plan> {
+        if self.group_size.is_some() && self.experts != Experts::Int4 {
+            bail!(
+                "--group-size is the INT4 experts' group size; it does not apply to --experts {}",
+                format!("{:?}", self.experts).to_lowercase()
+            );
+        }
         let max = self.config()?.common().max_position_embeddings;
         if let Some(ctx) = self.ctx.filter(|c| !(2..=max).contains(c)) {
             bail!("--ctx {ctx} must be in 2..={max} (the model's maximum context, max_position_embeddings)");

@@ -146,3 +146,55 @@ fn generate_ends_quietly_when_its_reader_goes_away() {
         out.status
     );
 }
+
+/// Flags that cannot apply together are refused, naming them, instead of one being ignored.
+#[test]
+fn contradictory_flags_are_refused() {
+    let tiny = fixture_dir("olmoe-tiny");
+    let tiny = tiny.to_str().unwrap();
+    for (name, args, names) in [
+        (
+            "generate",
+            vec!["--cpu", "--model-dir", tiny, "--model-id", "a/b"],
+            ["--model-dir", "--model-id"],
+        ),
+        (
+            "generate",
+            vec!["--cpu", "--synthetic", "tiny", "--revision", "main"],
+            ["--synthetic", "--revision"],
+        ),
+        (
+            "generate",
+            vec![
+                "--cpu",
+                "--synthetic",
+                "tiny",
+                "--experts",
+                "f32",
+                "--group-size",
+                "64",
+            ],
+            ["--group-size", "--experts f32"],
+        ),
+        (
+            "quantize",
+            vec!["--model-dir", tiny, "--revision", "x", "--out", "x.qmoe"],
+            ["--model-dir", "--revision"],
+        ),
+        (
+            "plan",
+            vec!["--synthetic", "tiny", "--revision", "x"],
+            ["--synthetic", "--revision"],
+        ),
+    ] {
+        let out = run(name, &args);
+        assert!(!out.status.success(), "{name} {args:?} accepted");
+        for n in names {
+            assert!(
+                text(&out).contains(n),
+                "{name} {args:?}: `{n}` not in {}",
+                text(&out)
+            );
+        }
+    }
+}
