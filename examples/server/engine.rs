@@ -13,7 +13,6 @@
 //! failed alone and its cache dropped, the others go on.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,6 +29,7 @@ use tokenizers::{
 use tokio::sync::mpsc;
 
 use crate::metrics::Metrics;
+use crate::queue::Queue;
 
 /// How a request samples and when it stops.
 #[derive(Clone, Debug)]
@@ -241,9 +241,8 @@ pub struct Engine<'t> {
     model: MoeForCausalLm,
     tokenizer: &'t Tokenizer,
     config: EngineConfig,
-    queue: mpsc::Receiver<Request>,
+    queue: Arc<Queue>,
     metrics: Arc<Metrics>,
-    cancel: Arc<AtomicBool>,
     slots: Vec<Slot<'t>>,
     traffic: ExpertTraffic,
     /// (end, busy time, tokens sampled) of recent steps.
@@ -251,15 +250,14 @@ pub struct Engine<'t> {
 }
 
 impl<'t> Engine<'t> {
-    /// An engine over `model` taking requests from `queue`; `cancel` ends every request and
-    /// stops it (shutdown).
+    /// An engine over `model` taking requests from `queue`; closing the queue ends every request
+    /// and stops it (shutdown).
     pub fn new(
         model: MoeForCausalLm,
         tokenizer: &'t Tokenizer,
         config: EngineConfig,
-        queue: mpsc::Receiver<Request>,
+        queue: Arc<Queue>,
         metrics: Arc<Metrics>,
-        cancel: Arc<AtomicBool>,
     ) -> Self {
         let traffic = model.expert_traffic();
         Self {
@@ -268,24 +266,21 @@ impl<'t> Engine<'t> {
             config,
             queue,
             metrics,
-            cancel,
             slots: Vec::new(),
             traffic,
             recent: VecDeque::new(),
         }
     }
 
-    /// Runs until the queue is closed and every slot is done, or until cancelled.
+    /// Runs until the queue is closed, then fails the requests left.
     pub fn run(mut self) {
         loop {
-            if self.cancel.load(Ordering::Relaxed) {
+            if self.queue.is_closed() {
                 self.cancel_all();
                 return;
             }
             self.slots.retain(|s| !s.request.events.is_closed());
-            if !self.admit() {
-                return;
-            }
+            self.admit();
             if !self.slots.is_empty() {
                 self.step();
             }
@@ -299,32 +294,22 @@ impl<'t> Engine<'t> {
         for slot in self.slots.drain(..) {
             slot.send(failed.clone());
         }
-        self.queue.close();
-        while let Ok(request) = self.queue.try_recv() {
+        for request in self.queue.drain() {
             let _ = request.events.send(failed.clone());
         }
         self.metrics.slots_busy.set(0);
     }
 
-    /// Moves queued requests into free slots, waiting for one when all slots are idle; `false`
-    /// when the queue is closed and nothing is left to do.
-    fn admit(&mut self) -> bool {
+    /// Moves queued requests into free slots, waiting for one (or for the queue to close) when
+    /// all slots are idle.
+    fn admit(&mut self) {
         while self.slots.len() < self.config.slots {
-            let request = if self.slots.is_empty() {
+            if self.slots.is_empty() {
                 self.metrics.slots_busy.set(0);
-                match self.queue.blocking_recv() {
-                    Some(r) => r,
-                    None => return false,
-                }
-            } else {
-                match self.queue.try_recv() {
-                    Ok(r) => r,
-                    Err(_) => break,
-                }
-            };
-            if request.events.is_closed() {
-                continue;
             }
+            let Some(request) = self.queue.pop(self.slots.is_empty()) else {
+                break;
+            };
             let p = &request.params;
             let sampler = LogitsProcessor::new(p.seed, Some(p.temperature), p.top_p);
             let room = self.config.ctx.saturating_sub(request.prompt.len());
@@ -342,7 +327,6 @@ impl<'t> Engine<'t> {
                 request,
             });
         }
-        true
     }
 
     /// One batch: every decoding slot's next token and up to `prefill_chunk` prompt tokens.
@@ -506,7 +490,7 @@ mod tests {
     }
 
     struct Harness {
-        queue: mpsc::Sender<Request>,
+        queue: Arc<Queue>,
         thread: std::thread::JoinHandle<()>,
     }
 
@@ -516,7 +500,8 @@ mod tests {
         let model = synth
             .load(DType::F32, &candle::Device::Cpu, &synth.int4_experts())
             .unwrap();
-        let (queue, rx) = mpsc::channel(64);
+        let queue = Arc::new(Queue::new(64));
+        let engine_queue = queue.clone();
         let thread = std::thread::spawn(move || {
             let (tokenizer, _) =
                 candle_qmoe_suite::tokenizer::synthetic_tokenizer(SyntheticKind::Tiny).unwrap();
@@ -527,8 +512,7 @@ mod tests {
                 stop_ids: vec![],
             };
             let metrics = Arc::new(Metrics::new(slots, None));
-            let cancel = Arc::new(AtomicBool::new(false));
-            Engine::new(model, &tokenizer, config, rx, metrics, cancel).run();
+            Engine::new(model, &tokenizer, config, engine_queue, metrics).run();
         });
         Harness { queue, thread }
     }
@@ -550,7 +534,7 @@ mod tests {
     ) -> mpsc::UnboundedReceiver<Event> {
         let (events, rx) = mpsc::unbounded_channel();
         h.queue
-            .blocking_send(Request {
+            .push(Request {
                 prompt,
                 params,
                 events,
@@ -584,7 +568,7 @@ mod tests {
             .into_iter()
             .map(|p| collect(submit(&solo, p, greedy(6))))
             .collect();
-        drop(solo.queue);
+        solo.queue.close();
         solo.thread.join().unwrap();
         for (_, end) in &alone {
             assert!(matches!(
@@ -620,7 +604,7 @@ mod tests {
                 completion_tokens: 34
             })
         );
-        drop(h.queue);
+        h.queue.close();
         h.thread.join().unwrap();
     }
 }

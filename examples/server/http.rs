@@ -3,7 +3,7 @@
 //! (with keep-alive comments) or collected, and graceful shutdown on SIGINT/SIGTERM.
 
 use std::future::IntoFuture;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,18 +18,19 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::json;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot};
 
 use crate::api::{parse_request, unix_time, ApiError, Frontend, Kind, Reply};
 use crate::engine::{Event, Request};
 use crate::metrics::Metrics;
+use crate::queue::{Queue, Refused};
 
 /// What every handler shares.
 pub struct AppState {
     /// Tokenizer, chat template, slot context.
     pub frontend: Frontend,
     /// The engine's queue.
-    pub queue: mpsc::Sender<Request>,
+    pub queue: Arc<Queue>,
     /// The metrics.
     pub metrics: Arc<Metrics>,
     /// Interval of SSE keep-alive comments.
@@ -73,8 +74,7 @@ async fn models(State(s): State<Shared>) -> Json<serde_json::Value> {
 }
 
 async fn metrics(State(s): State<Shared>) -> impl IntoResponse {
-    let waiting = s.queue.max_capacity() - s.queue.capacity();
-    s.metrics.queue_length.set(waiting as i64);
+    s.metrics.queue_length.set(s.queue.waiting() as i64);
     (
         [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
         s.metrics.encode(),
@@ -102,10 +102,10 @@ async fn answer(s: Shared, body: Bytes, kind: Kind) -> Response {
         params: checked.params,
         events,
     };
-    if let Err(e) = s.queue.try_send(request) {
-        let message = match e {
-            mpsc::error::TrySendError::Full(_) => "the request queue is full: retry later",
-            mpsc::error::TrySendError::Closed(_) => "the server is shutting down",
+    if let Err(refused) = s.queue.push(request) {
+        let message = match refused {
+            Refused::Full => "the request queue is full: retry later",
+            Refused::Closed => "the server is shutting down",
         };
         return ApiError::server(StatusCode::SERVICE_UNAVAILABLE, message, "overloaded")
             .into_response();
@@ -198,43 +198,42 @@ async fn signal() {
 }
 
 /// Serves `state` on `host:port` (0: a free port) until SIGINT/SIGTERM; then stops accepting,
-/// lets requests in flight finish for `grace`, and after it sets `cancel`, which makes the
-/// engine end the rest.
-pub async fn serve(
-    state: Shared,
-    host: &str,
-    port: u16,
-    grace: Duration,
-    cancel: Arc<AtomicBool>,
-) -> Result<()> {
+/// lets requests in flight finish for `grace` (cut short by a second signal) and closes the
+/// engine's queue, which fails the requests left and stops the engine. Connections still open
+/// then (a client that never finished its request) get 2 s more; the runtime's end drops them.
+pub async fn serve(state: Shared, host: &str, port: u16, grace: Duration) -> Result<()> {
     let listener = tokio::net::TcpListener::bind((host, port))
         .await
         .with_context(|| format!("cannot listen on {host}:{port}"))?;
     let addr = listener.local_addr()?;
     println!("listening on http://{addr}");
     std::io::Write::flush(&mut std::io::stdout())?;
-    let (stop_tx, mut stop_rx) = watch::channel(false);
-    tokio::spawn(async move {
-        signal().await;
-        println!("shutting down: no new connections; requests in flight get {grace:?}");
-        let _ = stop_tx.send(true);
-    });
-    let mut stopping = stop_rx.clone();
-    let server = axum::serve(listener, router(state)).with_graceful_shutdown(async move {
-        let _ = stopping.wait_for(|&s| s).await;
-    });
-    let server = server.into_future();
+    let queue = state.queue.clone();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let server = axum::serve(listener, router(state))
+        .with_graceful_shutdown(async {
+            let _ = stopped.await;
+        })
+        .into_future();
     tokio::pin!(server);
     tokio::select! {
-        r = &mut server => r?,
-        _ = async {
-            let _ = stop_rx.wait_for(|&s| s).await;
-            tokio::time::sleep(grace).await;
-        } => {
-            println!("grace period over: cancelling the requests still in flight");
-            cancel.store(true, Ordering::Relaxed);
-            let _ = tokio::time::timeout(Duration::from_secs(2), &mut server).await;
-        }
+        r = &mut server => return Ok(r?),
+        _ = signal() => {}
     }
+    println!("shutting down: no new connections; requests in flight get {grace:?}");
+    let _ = stop.send(());
+    tokio::select! {
+        r = &mut server => {
+            // Every connection ended: nothing is left in flight.
+            queue.close();
+            return Ok(r?);
+        }
+        _ = tokio::time::sleep(grace) => {
+            println!("grace period over: cancelling the requests still in flight");
+        }
+        _ = signal() => println!("second signal: cancelling the requests in flight"),
+    }
+    queue.close();
+    let _ = tokio::time::timeout(Duration::from_secs(2), &mut server).await;
     Ok(())
 }

@@ -7,6 +7,7 @@ full-queue test starts its own `--parallel 1 --queue 1` server from $QMOE_SERVER
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -182,6 +183,21 @@ def spawn_server(*flags):
     raise AssertionError(f"the server did not start: {proc.wait()}")
 
 
+def post(path, body):
+    """A complete HTTP/1.1 POST of the JSON `body`, as bytes."""
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    return head.encode() + data
+
+
+def connect(url, data):
+    """A socket to the server at `url` that has sent `data`."""
+    host, port = url.split("//")[1].split(":")
+    s = socket.create_connection((host, int(port)))
+    s.sendall(data)
+    return s
+
+
 def stop(proc):
     if proc.poll() is None:
         proc.kill()
@@ -268,6 +284,59 @@ class OwnServer(unittest.TestCase):
             status, _, text = result[0]
             self.assertEqual(status, 500)
             self.assertIn("shutting down", json.loads(text)["error"]["message"])
+        finally:
+            stop(proc)
+
+    def test_sigterm_exits_although_a_client_never_finishes_its_request(self):
+        proc, url = spawn_server("--shutdown-grace-secs", "1")
+        try:
+            held = [
+                connect(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Len"),
+                connect(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"),
+            ]
+            time.sleep(0.3)
+            proc.terminate()
+            # The grace period, then 2 s for the connections still open.
+            self.assertEqual(proc.wait(timeout=10), 0)
+            for s in held:
+                s.close()
+        finally:
+            stop(proc)
+
+    def test_a_second_signal_cuts_the_grace_period_short(self):
+        proc, url = spawn_server("--shutdown-grace-secs", "600")
+        try:
+            held = connect(url, b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            time.sleep(0.3)
+            proc.terminate()
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            self.assertEqual(proc.wait(timeout=10), 0)
+            held.close()
+        finally:
+            stop(proc)
+
+    def test_clients_that_leave_the_queue_free_their_place(self):
+        proc, url = spawn_server("--parallel", "1", "--queue", "2")
+        try:
+            c = client(url)
+            running = c.completions.create(model="m", prompt="Hi", max_tokens=3000, temperature=0, stream=True)
+            next(iter(running))
+            queued = [
+                connect(url, post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stream": stream}))
+                for stream in (False, True)
+            ]
+            wait_until(lambda: metrics(url)["qmoe_queue_length"] == 2, "both wait")
+            for s in queued:
+                s.close()
+            wait_until(lambda: metrics(url)["qmoe_queue_length"] == 0, "they leave the queue")
+            result = []
+            t = threading.Thread(target=lambda: result.append(raw(url, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})))
+            t.start()
+            wait_until(lambda: metrics(url)["qmoe_queue_length"] == 1, "a new request waits")
+            running.close()
+            t.join()
+            self.assertEqual(result[0][0], 200, result[0][2])
         finally:
             stop(proc)
 
