@@ -157,6 +157,18 @@ impl StopText {
     }
 }
 
+/// `e` as a client may see it: without the backtraces that candle adds with `RUST_BACKTRACE`.
+fn message(e: &candle::Error) -> String {
+    match e {
+        candle::Error::WithBacktrace { inner, .. } => message(inner),
+        candle::Error::Context { inner, context } => format!("{context}: {}", message(inner)),
+        candle::Error::WithPath { inner, path } => {
+            format!("{}: {}", path.display(), message(inner))
+        }
+        e => e.to_string(),
+    }
+}
+
 /// A request in a slot.
 struct Slot<'t> {
     request: Request,
@@ -164,7 +176,12 @@ struct Slot<'t> {
     tokens: Vec<u32>,
     cache: SequenceCache,
     sampler: LogitsProcessor,
+    tokenizer: &'t Tokenizer,
     detokenizer: Detokenizer<'t>,
+    /// `tokens[..decoded]` are text; the detokenizer holds `tokens[decoded..fed]` (the start of
+    /// a character).
+    decoded: usize,
+    fed: usize,
     text: StopText,
     /// Tokens this slot may generate (max_tokens within the context).
     limit: usize,
@@ -194,14 +211,31 @@ impl Slot<'_> {
         let _ = self.request.events.send(event);
     }
 
+    /// The text of the tokens the detokenizer holds, as decoding the whole answer gives it (an
+    /// incomplete UTF-8 sequence is U+FFFD).
+    fn held_text(&self) -> String {
+        if self.fed == self.decoded {
+            return String::new();
+        }
+        let start = self.prompt_len();
+        let decode = |end| self.tokenizer.decode(&self.tokens[start..end], true);
+        match (decode(self.fed), decode(self.decoded)) {
+            (Ok(all), Ok(sent)) => all.strip_prefix(&sent).unwrap_or_default().to_string(),
+            _ => String::new(),
+        }
+    }
+
     /// Sends the held text (none after a stop string) and the end of the answer.
     fn finish(&mut self, reason: FinishReason) {
-        let rest = self.text.flush();
+        let (mut rest, stopped) = self.text.push(&self.held_text());
+        if !stopped {
+            rest.push_str(&self.text.flush());
+        }
         if !rest.is_empty() {
             self.send(Event::Text(rest));
         }
         self.send(Event::Done(Finish {
-            reason,
+            reason: if stopped { FinishReason::Stop } else { reason },
             prompt_tokens: self.prompt_len(),
             completion_tokens: self.generated(),
         }));
@@ -214,13 +248,16 @@ impl Slot<'_> {
         config: &EngineConfig,
     ) -> Result<Option<FinishReason>, String> {
         // `tokens` holds the prompt and every token generated: the logits are of its last.
-        check_logits(logits, self.tokens.len() - 1).map_err(|e| e.to_string())?;
-        let token = self.sampler.sample(logits).map_err(|e| e.to_string())?;
+        check_logits(logits, self.tokens.len() - 1).map_err(|e| message(&e))?;
+        let token = self.sampler.sample(logits).map_err(|e| message(&e))?;
         self.tokens.push(token);
         if config.stop_ids.contains(&token) {
             return Ok(Some(FinishReason::Stop));
         }
-        if let Some(piece) = self.detokenizer.step(token).map_err(|e| e.to_string())? {
+        let piece = self.detokenizer.step(token).map_err(|e| e.to_string())?;
+        self.fed = self.tokens.len();
+        if let Some(piece) = piece {
+            self.decoded = self.fed;
             let (text, stopped) = self.text.push(&piece);
             if !text.is_empty() {
                 self.send(Event::Text(text));
@@ -311,7 +348,10 @@ impl<'t> Engine<'t> {
                 break;
             };
             let p = &request.params;
-            let sampler = LogitsProcessor::new(p.seed, Some(p.temperature), p.top_p);
+            // A top_p of 0 in f32 (the sampler's precision) would keep no token: the nucleus
+            // keeps at least the most probable one.
+            let top_p = p.top_p.map(|p| p.max(f32::MIN_POSITIVE.into()));
+            let sampler = LogitsProcessor::new(p.seed, Some(p.temperature), top_p);
             let room = self.config.ctx.saturating_sub(request.prompt.len());
             let limit = p.max_tokens.unwrap_or(room).min(room);
             self.metrics
@@ -321,7 +361,10 @@ impl<'t> Engine<'t> {
                 tokens: request.prompt.clone(),
                 cache: self.model.new_sequence(),
                 sampler,
+                tokenizer: self.tokenizer,
                 detokenizer: self.tokenizer.decode_stream(true),
+                decoded: request.prompt.len(),
+                fed: request.prompt.len(),
                 text: StopText::new(&p.stop),
                 limit,
                 request,
@@ -433,10 +476,10 @@ impl<'t> Engine<'t> {
                         tokens: item.tokens,
                     }];
                     let logits = self.model.forward_sequences(&mut one);
-                    logits.map(|mut l| l.remove(0)).map_err(|e| e.to_string())
+                    logits.map(|mut l| l.remove(0)).map_err(|e| message(&e))
                 })
                 .collect(),
-            Err(e) => vec![Err(e.to_string())],
+            Err(e) => vec![Err(message(&e))],
         }
     }
 
@@ -487,6 +530,15 @@ mod tests {
         assert_eq!(t.flush(), "E");
         let mut none = StopText::new(&[]);
         assert_eq!(none.push("E"), ("E".into(), false));
+    }
+
+    #[test]
+    fn messages_leave_backtraces_out() {
+        let e = candle::Error::WithBacktrace {
+            inner: Box::new(candle::Error::Msg("boom".into()).context("step")),
+            backtrace: Box::new(std::backtrace::Backtrace::force_capture()),
+        };
+        assert_eq!(message(&e), "step: boom");
     }
 
     struct Harness {

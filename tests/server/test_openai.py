@@ -133,6 +133,19 @@ class Api(unittest.TestCase):
         r = self.chat(messages=turns, max_tokens=2, temperature=0)
         self.assertGreater(r.usage.prompt_tokens, one + 10)
 
+    def test_a_tiny_top_p_keeps_the_most_probable_token(self):
+        greedy = self.complete(max_tokens=4, temperature=0).choices[0].text
+        # 1e-46 is 0 in f32.
+        self.assertEqual(self.complete(max_tokens=4, temperature=1, top_p=1e-46).choices[0].text, greedy)
+
+    def test_a_last_token_inside_a_character_is_sent(self):
+        # The greedy answer's first token is the start of a UTF-8 sequence.
+        kw = dict(prompt=list(range(1000, 1063)), max_tokens=1, temperature=0)
+        r = self.complete(**kw)
+        self.check_usage(r.usage, 1)
+        self.assertEqual(r.choices[0].text, "\ufffd")
+        self.assertEqual("".join(ch.choices[0].text for ch in self.complete(stream=True, **kw)), "\ufffd")
+
     def test_unknown_fields_are_ignored(self):
         r = self.chat(max_tokens=2, temperature=0, extra_body={"frobnicate": {"x": 1}, "logit_bias": None})
         self.check_usage(r.usage, 2)
