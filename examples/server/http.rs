@@ -1,6 +1,7 @@
 //! The HTTP side (axum): routes, handlers that check and tokenize a request and hand it to the
 //! engine's bounded queue (full: 503 with `Retry-After`), answers streamed as server-sent events
-//! (with keep-alive comments) or collected, and graceful shutdown on SIGINT/SIGTERM.
+//! (with keep-alive comments) or collected, every error in OpenAI's shape (unknown routes, wrong
+//! methods and bodies too large included), and graceful shutdown on SIGINT/SIGTERM.
 
 use std::future::IntoFuture;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -9,8 +10,9 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use axum::body::Bytes;
-use axum::extract::{MatchedPath, Request as HttpRequest, State};
-use axum::http::StatusCode;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{MatchedPath, Path, Request as HttpRequest, State};
+use axum::http::{Method, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -49,8 +51,17 @@ pub fn router(state: Shared) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/metrics", get(metrics))
+        .fallback(|method: Method, uri: Uri| async move {
+            let message = format!("Invalid URL ({method} {})", uri.path());
+            ApiError::client(StatusCode::NOT_FOUND, message, None)
+        })
+        .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
+            let message = format!("{method} is not allowed on {}", uri.path());
+            ApiError::client(StatusCode::METHOD_NOT_ALLOWED, message, None)
+        })
         .layer(middleware::from_fn_with_state(state.clone(), count))
         .with_state(state)
 }
@@ -66,11 +77,24 @@ async fn count(State(s): State<Shared>, request: HttpRequest, next: Next) -> Res
     response
 }
 
-async fn models(State(s): State<Shared>) -> Json<serde_json::Value> {
-    Json(json!({"object": "list", "data": [{
+/// The model object of `/v1/models`.
+fn model_card(s: &AppState) -> serde_json::Value {
+    json!({
         "id": s.frontend.model_id, "object": "model", "created": s.started,
         "owned_by": "candle-qmoe",
-    }]}))
+    })
+}
+
+async fn models(State(s): State<Shared>) -> Json<serde_json::Value> {
+    Json(json!({"object": "list", "data": [model_card(&s)]}))
+}
+
+async fn model(State(s): State<Shared>, Path(id): Path<String>) -> Response {
+    if id == s.frontend.model_id {
+        return Json(model_card(&s)).into_response();
+    }
+    let message = format!("The model `{id}` does not exist");
+    ApiError::client(StatusCode::NOT_FOUND, message, Some("model_not_found")).into_response()
 }
 
 async fn metrics(State(s): State<Shared>) -> impl IntoResponse {
@@ -81,16 +105,21 @@ async fn metrics(State(s): State<Shared>) -> impl IntoResponse {
     )
 }
 
-async fn chat(State(s): State<Shared>, body: Bytes) -> Response {
+async fn chat(State(s): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
     answer(s, body, Kind::Chat).await
 }
 
-async fn completions(State(s): State<Shared>, body: Bytes) -> Response {
+async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
     answer(s, body, Kind::Text).await
 }
 
-/// Checks, queues and answers one request.
-async fn answer(s: Shared, body: Bytes, kind: Kind) -> Response {
+/// Checks, queues and answers one request (a body that could not be read, e.g. too large, is
+/// refused with its status).
+async fn answer(s: Shared, body: Result<Bytes, BytesRejection>, kind: Kind) -> Response {
+    let body = match body {
+        Ok(body) => body,
+        Err(e) => return ApiError::client(e.status(), e.body_text(), None).into_response(),
+    };
     let checked =
         match parse_request(&body).and_then(|r| s.frontend.check(r, matches!(kind, Kind::Chat))) {
             Ok(c) => c,
@@ -159,16 +188,13 @@ fn sse(
     let data = |v: serde_json::Value| SseEvent::default().data(v.to_string());
     let done = || SseEvent::default().data("[DONE]");
     let events = stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) });
-    let mut first = true;
-    events.flat_map(move |event| {
+    // Chat streams open with the assistant role, even when no text follows.
+    let role = matches!(reply.kind, Kind::Chat).then(|| Ok(data(reply.role_chunk())));
+    let chunks = events.flat_map(move |event| {
         let out = match event {
-            Event::Text(t) => {
-                let chunk = reply.chunk(&t, first, None);
-                first = false;
-                vec![data(chunk)]
-            }
+            Event::Text(t) => vec![data(reply.chunk(&t, None))],
             Event::Done(finish) => {
-                let mut out = vec![data(reply.chunk("", first, Some(&finish)))];
+                let mut out = vec![data(reply.chunk("", Some(&finish)))];
                 if include_usage {
                     out.push(data(reply.usage_chunk(&finish)));
                 }
@@ -178,7 +204,8 @@ fn sse(
             Event::Failed(message) => vec![data(failed(message).body()), done()],
         };
         stream::iter(out.into_iter().map(Ok))
-    })
+    });
+    stream::iter(role).chain(chunks)
 }
 
 /// Resolves at SIGINT or SIGTERM.

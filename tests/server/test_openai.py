@@ -146,6 +146,62 @@ class Api(unittest.TestCase):
         self.assertEqual(r.choices[0].text, "\ufffd")
         self.assertEqual("".join(ch.choices[0].text for ch in self.complete(stream=True, **kw)), "\ufffd")
 
+    def test_a_chat_stream_opens_with_the_role_even_when_empty(self):
+        full = self.chat(max_tokens=8, temperature=0).choices[0].message.content
+        self.assertTrue(full)
+        # Stopping at the answer's first character leaves it empty.
+        chunks = list(self.chat(max_tokens=8, temperature=0, stop=full[0], stream=True))
+        self.assertEqual(chunks[0].choices[0].delta.role, "assistant")
+        self.assertEqual("".join(ch.choices[0].delta.content or "" for ch in chunks), "")
+        self.assertEqual(chunks[-1].choices[0].finish_reason, "stop")
+        roles = [ch.choices[0].delta.role for ch in self.chat(max_tokens=3, temperature=0, stream=True)]
+        self.assertEqual(roles, ["assistant"] + [None] * (len(roles) - 1))
+
+    def test_routes_and_bodies_outside_the_api_get_openai_errors(self):
+        for method, path, status in [("GET", "/v1/nope", 404), ("POST", "/v1/models", 405), ("GET", "/v1/chat/completions", 405)]:
+            code, headers, text = raw(URL, path, b"{}" if method == "POST" else None, method)
+            self.assertEqual(code, status, (method, path, text))
+            self.assertEqual(json.loads(text)["error"]["type"], "invalid_request_error")
+        self.assertEqual(json.loads(raw(URL, "/v1/nope")[2])["error"]["message"], "Invalid URL (GET /v1/nope)")
+        code, headers, text = raw(URL, "/v1/completions", {"prompt": "a " * 1_500_000, "max_tokens": 1})
+        self.assertEqual(code, 413)
+        self.assertEqual(json.loads(text)["error"]["type"], "invalid_request_error")
+        self.assertEqual(self.c.models.retrieve(self.model).id, self.model)
+        with self.assertRaises(openai.NotFoundError) as e:
+            self.c.models.retrieve("no-such-model")
+        self.assertEqual(e.exception.code, "model_not_found")
+
+    def test_prompt_forms(self):
+        ids = list(range(100, 110))
+        want = self.complete(prompt=ids, max_tokens=3, temperature=0).choices[0].text
+        self.assertEqual(self.complete(prompt=[ids], max_tokens=3, temperature=0).choices[0].text, want)
+        for prompt in ([ids, ids], ["a", "b"]):
+            code, _, text = raw(URL, "/v1/completions", {"prompt": prompt})
+            self.assertEqual(code, 400)
+            self.assertIn("2 prompts", json.loads(text)["error"]["message"])
+        code, _, text = raw(URL, "/v1/completions", {"prompt": {"x": 1}})
+        self.assertEqual(code, 400)
+        self.assertIn("a string, a list of token ids", json.loads(text)["error"]["message"])
+
+    def test_at_most_four_stop_strings(self):
+        self.check_usage(self.complete(max_tokens=2, temperature=0, stop=["w", "x", "y", "z"]).usage)
+        with self.assertRaises(openai.BadRequestError) as e:
+            self.complete(max_tokens=2, stop=["v", "w", "x", "y", "z"])
+        self.assertEqual(e.exception.body["param"], "stop")
+
+    def test_unsupported_fields_are_refused(self):
+        msgs = [{"role": "user", "content": "hi"}]
+        self.assert_error(400, {"messages": msgs, "logprobs": True}, "logprobs")
+        self.assert_error(400, {"messages": msgs, "top_logprobs": 2}, "top_logprobs")
+        self.assert_error(400, {"messages": msgs, "response_format": {"type": "json_object"}}, "response_format")
+        for field, value in [("echo", True), ("logprobs", 0)]:
+            code, _, text = raw(URL, "/v1/completions", {"prompt": "hi", field: value})
+            self.assertEqual((code, json.loads(text)["error"]["param"]), (400, field))
+        # Their neutral values are accepted.
+        ok = {"logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"}}
+        self.check_usage(self.chat(max_tokens=1, extra_body=ok).usage, 1)
+        self.check_usage(self.complete(max_tokens=1, echo=False, logprobs=None).usage, 1)
+
     def test_unknown_fields_are_ignored(self):
         r = self.chat(max_tokens=2, temperature=0, extra_body={"frobnicate": {"x": 1}, "logit_bias": None})
         self.check_usage(r.usage, 2)
