@@ -12,9 +12,8 @@
 //! went away (client disconnected) is dropped at the next step; one whose forward fails is
 //! failed alone and its cache dropped, the others go on.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use candle::Tensor;
 use candle_qmoe::generation::check_logits;
@@ -270,9 +269,6 @@ impl Slot<'_> {
     }
 }
 
-/// Decode tokens per second over the steps of the last [`RATE_WINDOW`].
-const RATE_WINDOW: Duration = Duration::from_secs(10);
-
 /// The scheduler and its model, run by [`Engine::run`] on its own thread.
 pub struct Engine<'t> {
     model: MoeForCausalLm,
@@ -282,8 +278,6 @@ pub struct Engine<'t> {
     metrics: Arc<Metrics>,
     slots: Vec<Slot<'t>>,
     traffic: ExpertTraffic,
-    /// (end, busy time, tokens sampled) of recent steps.
-    recent: VecDeque<(Instant, Duration, usize)>,
 }
 
 impl<'t> Engine<'t> {
@@ -305,7 +299,6 @@ impl<'t> Engine<'t> {
             metrics,
             slots: Vec::new(),
             traffic,
-            recent: VecDeque::new(),
         }
     }
 
@@ -317,12 +310,19 @@ impl<'t> Engine<'t> {
                 return;
             }
             self.slots.retain(|s| !s.request.events.is_closed());
+            self.publish_slots();
             self.admit();
             if !self.slots.is_empty() {
                 self.step();
             }
-            self.metrics.slots_busy.set(self.slots.len() as i64);
         }
+    }
+
+    /// Sets the gauges of the slots: busy ones and their KV bytes.
+    fn publish_slots(&self) {
+        self.metrics.slots_busy.set(self.slots.len() as i64);
+        let kv: usize = self.slots.iter().map(|s| s.cache.allocated_bytes()).sum();
+        self.metrics.kv_cache_bytes.set(kv as i64);
     }
 
     /// Fails every request in a slot or in the queue.
@@ -334,16 +334,13 @@ impl<'t> Engine<'t> {
         for request in self.queue.drain() {
             let _ = request.events.send(failed.clone());
         }
-        self.metrics.slots_busy.set(0);
+        self.publish_slots();
     }
 
     /// Moves queued requests into free slots, waiting for one (or for the queue to close) when
     /// all slots are idle.
     fn admit(&mut self) {
         while self.slots.len() < self.config.slots {
-            if self.slots.is_empty() {
-                self.metrics.slots_busy.set(0);
-            }
             let Some(request) = self.queue.pop(self.slots.is_empty()) else {
                 break;
             };
@@ -483,30 +480,13 @@ impl<'t> Engine<'t> {
         }
     }
 
-    /// Updates the metrics after a step that sampled `sampled` tokens.
+    /// Updates the metrics after a step that sampled `sampled` tokens (the slots' gauges are set
+    /// at the next turn of [`Self::run`]).
     fn record(&mut self, start: Instant, sampled: usize) {
-        let now = Instant::now();
-        self.metrics.generated_tokens.inc_by(sampled as u64);
-        self.recent.push_back((now, now - start, sampled));
-        while let Some(&(end, _, _)) = self.recent.front() {
-            if now - end <= RATE_WINDOW {
-                break;
-            }
-            self.recent.pop_front();
-        }
-        let busy: f64 = self.recent.iter().map(|r| r.1.as_secs_f64()).sum();
-        let tokens: usize = self.recent.iter().map(|r| r.2).sum();
-        let rate = if busy > 0.0 {
-            tokens as f64 / busy
-        } else {
-            0.0
-        };
-        self.metrics.decode_tokens_per_second.set(rate);
+        self.metrics.step(start.elapsed(), sampled);
         let traffic = self.model.expert_traffic();
         self.metrics.add_traffic(&self.traffic, &traffic);
         self.traffic = traffic;
-        let kv: usize = self.slots.iter().map(|s| s.cache.allocated_bytes()).sum();
-        self.metrics.kv_cache_bytes.set(kv as i64);
     }
 }
 

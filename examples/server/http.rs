@@ -100,7 +100,7 @@ async fn model(State(s): State<Shared>, Path(id): Path<String>) -> Response {
 async fn metrics(State(s): State<Shared>) -> impl IntoResponse {
     s.metrics.queue_length.set(s.queue.waiting() as i64);
     (
-        [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
+        [("content-type", crate::metrics::CONTENT_TYPE)],
         s.metrics.encode(),
     )
 }

@@ -72,6 +72,20 @@ class Api(unittest.TestCase):
         # The per-part tally is exported only with --profile (OwnServer below).
         self.assertFalse([k for k in m if k.startswith("qmoe_forward_")])
 
+    def test_metrics_are_openmetrics_and_idle_gauges_fall_to_zero(self):
+        _, headers, text = raw(URL, "/metrics")
+        content_type = {k.lower(): v for k, v in headers.items()}["content-type"]
+        self.assertEqual(content_type, "application/openmetrics-text; version=1.0.0; charset=utf-8")
+        self.assertTrue(text.endswith("# EOF\n"))
+        stream = self.complete(max_tokens=3000, temperature=0, stream=True)
+        next(iter(stream))
+        stream.close()
+        wait_until(lambda: metrics(URL)["qmoe_slots_busy"] == 0, "the slot is freed")
+        self.assertEqual(metrics(URL)["qmoe_kv_cache_bytes"], 0)
+        # The rate is over the steps of the last 10 s.
+        time.sleep(10.5)
+        self.assertEqual(metrics(URL)["qmoe_decode_tokens_per_second"], 0)
+
     def test_chat_greedy_stream_equals_non_stream_with_usage(self):
         r = self.chat(max_tokens=12, temperature=0)
         self.assertEqual(r.object, "chat.completion")
