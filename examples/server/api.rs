@@ -37,7 +37,11 @@ impl ApiError {
 
     /// An `invalid_request_error` of another client status (an unknown route or model, a body
     /// too large).
-    pub fn client(status: StatusCode, message: impl Into<String>, code: Option<&'static str>) -> Self {
+    pub fn client(
+        status: StatusCode,
+        message: impl Into<String>,
+        code: Option<&'static str>,
+    ) -> Self {
         Self {
             status,
             message: message.into(),
@@ -265,7 +269,10 @@ impl Frontend {
         }
         let unsupported = [
             ("echo", r.echo == Some(true)),
-            ("logprobs", r.logprobs.is_some_and(|v| v != Value::Bool(false))),
+            (
+                "logprobs",
+                r.logprobs.is_some_and(|v| v != Value::Bool(false)),
+            ),
             ("top_logprobs", r.top_logprobs.is_some_and(|n| n > 0)),
             (
                 "response_format",

@@ -114,17 +114,24 @@ async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejection
 }
 
 /// Checks, queues and answers one request (a body that could not be read, e.g. too large, is
-/// refused with its status).
+/// refused with its status). Parsing and tokenizing run on tokio's blocking pool, so that long
+/// prompts do not stall the other connections.
 async fn answer(s: Shared, body: Result<Bytes, BytesRejection>, kind: Kind) -> Response {
     let body = match body {
         Ok(body) => body,
         Err(e) => return ApiError::client(e.status(), e.body_text(), None).into_response(),
     };
-    let checked =
-        match parse_request(&body).and_then(|r| s.frontend.check(r, matches!(kind, Kind::Chat))) {
-            Ok(c) => c,
-            Err(e) => return e.into_response(),
-        };
+    let frontend = s.clone();
+    let checked = tokio::task::spawn_blocking(move || {
+        let chat = matches!(kind, Kind::Chat);
+        parse_request(&body).and_then(|r| frontend.frontend.check(r, chat))
+    })
+    .await;
+    let checked = match checked {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => return e.into_response(),
+        Err(e) => return failed(format!("checking the request failed: {e}")).into_response(),
+    };
     let (events, rx) = mpsc::unbounded_channel();
     let request = Request {
         prompt: checked.prompt,

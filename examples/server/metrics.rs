@@ -178,7 +178,10 @@ impl Metrics {
     fn decode_rate(&self) -> f64 {
         let mut steps = self.steps.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
-        while steps.front().is_some_and(|&(end, _, _)| now - end > RATE_WINDOW) {
+        while steps
+            .front()
+            .is_some_and(|&(end, _, _)| now - end > RATE_WINDOW)
+        {
             steps.pop_front();
         }
         let busy: f64 = steps.iter().map(|s| s.1.as_secs_f64()).sum();

@@ -244,6 +244,19 @@ class Api(unittest.TestCase):
             self.complete(prompt="hello " * 5000, max_tokens=1)
         self.assertIn("--ctx", str(e.exception))
 
+    def test_long_prompts_do_not_stall_other_requests(self):
+        body = {"prompt": "hello " * 330_000, "max_tokens": 1}  # 2 MB of text: over --ctx, a 400
+        threads = [threading.Thread(target=raw, args=(URL, "/v1/completions", body)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)  # while they are tokenized
+        start = time.perf_counter()
+        self.assertEqual(raw(URL, "/health")[0], 200)
+        waited = time.perf_counter() - start
+        for t in threads:
+            t.join()
+        self.assertLess(waited, 0.5)
+
     def test_client_disconnect_frees_the_slot(self):
         before = metrics(URL)["qmoe_generated_tokens_total"]
         stream = self.complete(max_tokens=3000, temperature=0, stream=True)
