@@ -1,5 +1,6 @@
 //! The OpenAI API's shapes: the request body of `/v1/chat/completions` and `/v1/completions`
-//! (unknown fields ignored, as OpenAI does), its checks, the prompt it becomes (the chat
+//! (unknown fields ignored, as OpenAI does; known ones this server does not implement refused),
+//! its checks, the prompt it becomes (the chat
 //! template for `messages`), the responses and stream chunks, and the error body
 //! `{"error": {"message", "type", "param", "code"}}`.
 
@@ -31,6 +32,21 @@ impl ApiError {
             message: message.into(),
             param: param.map(str::to_string),
             code: None,
+        }
+    }
+
+    /// An `invalid_request_error` of another client status (an unknown route or model, a body
+    /// too large).
+    pub fn client(
+        status: StatusCode,
+        message: impl Into<String>,
+        code: Option<&'static str>,
+    ) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            param: None,
+            code,
         }
     }
 
@@ -78,9 +94,12 @@ pub enum Stop {
     Many(Vec<String>),
 }
 
-/// The `prompt` of `/v1/completions`: a string, a list of one string, or token ids.
+/// The `prompt` of `/v1/completions`: a string or token ids, or a batch of one of them.
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "a string, a list of token ids, or a list of one string or token-id list"
+)]
 pub enum Prompt {
     /// Text.
     Text(String),
@@ -88,6 +107,16 @@ pub enum Prompt {
     Texts(Vec<String>),
     /// Token ids.
     Tokens(Vec<u32>),
+    /// A batch of token-id lists (one only).
+    TokenLists(Vec<Vec<u32>>),
+}
+
+/// `response_format`: only `text` is supported.
+#[derive(Debug, Deserialize)]
+pub struct ResponseFormat {
+    /// `text`, `json_object` or `json_schema`.
+    #[serde(rename = "type")]
+    pub kind: String,
 }
 
 /// A message's `content`: text or a list of parts (only `text` parts).
@@ -154,7 +183,19 @@ pub struct CompletionRequest {
     pub stream_options: Option<StreamOptions>,
     /// Extra chat-template variables (e.g. `{"enable_thinking": false}`), as vLLM takes them.
     pub chat_template_kwargs: Option<Variables>,
+    /// Echo the prompt (completions): refused when true.
+    pub echo: Option<bool>,
+    /// Log probabilities (an integer for completions, a bool for chat): refused unless
+    /// null or false.
+    pub logprobs: Option<Value>,
+    /// Most likely tokens per position (chat): refused above 0.
+    pub top_logprobs: Option<u32>,
+    /// Output format: refused unless `text`.
+    pub response_format: Option<ResponseFormat>,
 }
+
+/// Most `stop` strings, as OpenAI allows.
+pub const MAX_STOPS: usize = 4;
 
 /// Parses a request body; a JSON or type error names the field (`param`) it is in.
 pub fn parse_request(body: &[u8]) -> Result<CompletionRequest, ApiError> {
@@ -226,6 +267,24 @@ impl Frontend {
                 Some("n"),
             ));
         }
+        let unsupported = [
+            ("echo", r.echo == Some(true)),
+            (
+                "logprobs",
+                r.logprobs.is_some_and(|v| v != Value::Bool(false)),
+            ),
+            ("top_logprobs", r.top_logprobs.is_some_and(|n| n > 0)),
+            (
+                "response_format",
+                r.response_format.is_some_and(|f| f.kind != "text"),
+            ),
+        ];
+        if let Some((field, _)) = unsupported.iter().find(|(_, given)| *given) {
+            return Err(ApiError::invalid(
+                format!("`{field}` is not supported by this server"),
+                Some(field),
+            ));
+        }
         let temperature = r.temperature.unwrap_or(1.0);
         if !(0.0..=2.0).contains(&temperature) {
             return Err(ApiError::invalid(
@@ -273,6 +332,12 @@ impl Frontend {
             Some(Stop::One(s)) => vec![s],
             Some(Stop::Many(v)) => v,
         };
+        if stop.len() > MAX_STOPS {
+            return Err(ApiError::invalid(
+                format!("{} stop strings: at most {MAX_STOPS}", stop.len()),
+                Some("stop"),
+            ));
+        }
         Ok(Checked {
             prompt,
             params: SamplingParams {
@@ -353,26 +418,36 @@ impl Frontend {
         match prompt {
             None => Err(ApiError::invalid("`prompt` is required", Some("prompt"))),
             Some(Prompt::Text(text)) => self.encode(&text, true),
-            Some(Prompt::Texts(texts)) => match texts.as_slice() {
-                [text] => self.encode(text, true),
-                _ => Err(ApiError::invalid(
-                    format!("{} prompts: this server takes one per request", texts.len()),
-                    Some("prompt"),
-                )),
-            },
-            Some(Prompt::Tokens(ids)) => match ids.iter().find(|&&t| t as usize >= self.vocab_size)
-            {
-                Some(t) => Err(ApiError::invalid(
-                    format!(
-                        "token id {t} is outside the vocabulary ({})",
-                        self.vocab_size
-                    ),
-                    Some("prompt"),
-                )),
-                None => Ok(ids),
-            },
+            Some(Prompt::Texts(texts)) => self.encode(&one_prompt(texts)?, true),
+            Some(Prompt::Tokens(ids)) => self.token_prompt(ids),
+            Some(Prompt::TokenLists(lists)) => self.token_prompt(one_prompt(lists)?),
         }
     }
+
+    /// Token ids given as the prompt, checked against the vocabulary.
+    fn token_prompt(&self, ids: Vec<u32>) -> Result<Vec<u32>, ApiError> {
+        match ids.iter().find(|&&t| t as usize >= self.vocab_size) {
+            Some(t) => Err(ApiError::invalid(
+                format!(
+                    "token id {t} is outside the vocabulary ({})",
+                    self.vocab_size
+                ),
+                Some("prompt"),
+            )),
+            None => Ok(ids),
+        }
+    }
+}
+
+/// The prompt of a batch of one (this server answers one prompt per request).
+fn one_prompt<T>(batch: Vec<T>) -> Result<T, ApiError> {
+    let n = batch.len();
+    <[T; 1]>::try_from(batch).map(|[p]| p).map_err(|_| {
+        ApiError::invalid(
+            format!("{n} prompts: this server takes one per request"),
+            Some("prompt"),
+        )
+    })
 }
 
 /// `usage` of a finished answer.
@@ -427,16 +502,21 @@ impl Reply {
         })
     }
 
-    /// A stream chunk: `text` (chat: `first` adds the assistant role), or the final chunk with
-    /// its finish reason.
-    pub fn chunk(&self, text: &str, first: bool, finish: Option<&Finish>) -> Value {
+    /// Chat's first stream chunk, before any text: the assistant role.
+    pub fn role_chunk(&self) -> Value {
+        let delta = json!({"role": "assistant", "content": ""});
+        let choice = json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": null});
+        self.chunk_with(vec![choice], Value::Null)
+    }
+
+    /// A stream chunk: `text`, or the final chunk with its finish reason.
+    pub fn chunk(&self, text: &str, finish: Option<&Finish>) -> Value {
         let reason = finish.map(|f| f.reason);
         let choice = match self.kind {
             Kind::Chat => {
-                let delta = match (first, finish) {
-                    (_, Some(_)) => json!({}),
-                    (true, None) => json!({"role": "assistant", "content": text}),
-                    (false, None) => json!({"content": text}),
+                let delta = match finish {
+                    Some(_) => json!({}),
+                    None => json!({"content": text}),
                 };
                 json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": reason})
             }

@@ -12,10 +12,8 @@
 //! went away (client disconnected) is dropped at the next step; one whose forward fails is
 //! failed alone and its cache dropped, the others go on.
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use candle::Tensor;
 use candle_qmoe::generation::check_logits;
@@ -30,6 +28,7 @@ use tokenizers::{
 use tokio::sync::mpsc;
 
 use crate::metrics::Metrics;
+use crate::queue::Queue;
 
 /// How a request samples and when it stops.
 #[derive(Clone, Debug)]
@@ -157,6 +156,18 @@ impl StopText {
     }
 }
 
+/// `e` as a client may see it: without the backtraces that candle adds with `RUST_BACKTRACE`.
+fn message(e: &candle::Error) -> String {
+    match e {
+        candle::Error::WithBacktrace { inner, .. } => message(inner),
+        candle::Error::Context { inner, context } => format!("{context}: {}", message(inner)),
+        candle::Error::WithPath { inner, path } => {
+            format!("{}: {}", path.display(), message(inner))
+        }
+        e => e.to_string(),
+    }
+}
+
 /// A request in a slot.
 struct Slot<'t> {
     request: Request,
@@ -164,7 +175,12 @@ struct Slot<'t> {
     tokens: Vec<u32>,
     cache: SequenceCache,
     sampler: LogitsProcessor,
+    tokenizer: &'t Tokenizer,
     detokenizer: Detokenizer<'t>,
+    /// `tokens[..decoded]` are text; the detokenizer holds `tokens[decoded..fed]` (the start of
+    /// a character).
+    decoded: usize,
+    fed: usize,
     text: StopText,
     /// Tokens this slot may generate (max_tokens within the context).
     limit: usize,
@@ -194,14 +210,31 @@ impl Slot<'_> {
         let _ = self.request.events.send(event);
     }
 
+    /// The text of the tokens the detokenizer holds, as decoding the whole answer gives it (an
+    /// incomplete UTF-8 sequence is U+FFFD).
+    fn held_text(&self) -> String {
+        if self.fed == self.decoded {
+            return String::new();
+        }
+        let start = self.prompt_len();
+        let decode = |end| self.tokenizer.decode(&self.tokens[start..end], true);
+        match (decode(self.fed), decode(self.decoded)) {
+            (Ok(all), Ok(sent)) => all.strip_prefix(&sent).unwrap_or_default().to_string(),
+            _ => String::new(),
+        }
+    }
+
     /// Sends the held text (none after a stop string) and the end of the answer.
     fn finish(&mut self, reason: FinishReason) {
-        let rest = self.text.flush();
+        let (mut rest, stopped) = self.text.push(&self.held_text());
+        if !stopped {
+            rest.push_str(&self.text.flush());
+        }
         if !rest.is_empty() {
             self.send(Event::Text(rest));
         }
         self.send(Event::Done(Finish {
-            reason,
+            reason: if stopped { FinishReason::Stop } else { reason },
             prompt_tokens: self.prompt_len(),
             completion_tokens: self.generated(),
         }));
@@ -214,13 +247,16 @@ impl Slot<'_> {
         config: &EngineConfig,
     ) -> Result<Option<FinishReason>, String> {
         // `tokens` holds the prompt and every token generated: the logits are of its last.
-        check_logits(logits, self.tokens.len() - 1).map_err(|e| e.to_string())?;
-        let token = self.sampler.sample(logits).map_err(|e| e.to_string())?;
+        check_logits(logits, self.tokens.len() - 1).map_err(|e| message(&e))?;
+        let token = self.sampler.sample(logits).map_err(|e| message(&e))?;
         self.tokens.push(token);
         if config.stop_ids.contains(&token) {
             return Ok(Some(FinishReason::Stop));
         }
-        if let Some(piece) = self.detokenizer.step(token).map_err(|e| e.to_string())? {
+        let piece = self.detokenizer.step(token).map_err(|e| e.to_string())?;
+        self.fed = self.tokens.len();
+        if let Some(piece) = piece {
+            self.decoded = self.fed;
             let (text, stopped) = self.text.push(&piece);
             if !text.is_empty() {
                 self.send(Event::Text(text));
@@ -233,33 +269,26 @@ impl Slot<'_> {
     }
 }
 
-/// Decode tokens per second over the steps of the last [`RATE_WINDOW`].
-const RATE_WINDOW: Duration = Duration::from_secs(10);
-
 /// The scheduler and its model, run by [`Engine::run`] on its own thread.
 pub struct Engine<'t> {
     model: MoeForCausalLm,
     tokenizer: &'t Tokenizer,
     config: EngineConfig,
-    queue: mpsc::Receiver<Request>,
+    queue: Arc<Queue>,
     metrics: Arc<Metrics>,
-    cancel: Arc<AtomicBool>,
     slots: Vec<Slot<'t>>,
     traffic: ExpertTraffic,
-    /// (end, busy time, tokens sampled) of recent steps.
-    recent: VecDeque<(Instant, Duration, usize)>,
 }
 
 impl<'t> Engine<'t> {
-    /// An engine over `model` taking requests from `queue`; `cancel` ends every request and
-    /// stops it (shutdown).
+    /// An engine over `model` taking requests from `queue`; closing the queue ends every request
+    /// and stops it (shutdown).
     pub fn new(
         model: MoeForCausalLm,
         tokenizer: &'t Tokenizer,
         config: EngineConfig,
-        queue: mpsc::Receiver<Request>,
+        queue: Arc<Queue>,
         metrics: Arc<Metrics>,
-        cancel: Arc<AtomicBool>,
     ) -> Self {
         let traffic = model.expert_traffic();
         Self {
@@ -268,29 +297,32 @@ impl<'t> Engine<'t> {
             config,
             queue,
             metrics,
-            cancel,
             slots: Vec::new(),
             traffic,
-            recent: VecDeque::new(),
         }
     }
 
-    /// Runs until the queue is closed and every slot is done, or until cancelled.
+    /// Runs until the queue is closed, then fails the requests left.
     pub fn run(mut self) {
         loop {
-            if self.cancel.load(Ordering::Relaxed) {
+            if self.queue.is_closed() {
                 self.cancel_all();
                 return;
             }
             self.slots.retain(|s| !s.request.events.is_closed());
-            if !self.admit() {
-                return;
-            }
+            self.publish_slots();
+            self.admit();
             if !self.slots.is_empty() {
                 self.step();
             }
-            self.metrics.slots_busy.set(self.slots.len() as i64);
         }
+    }
+
+    /// Sets the gauges of the slots: busy ones and their KV bytes.
+    fn publish_slots(&self) {
+        self.metrics.slots_busy.set(self.slots.len() as i64);
+        let kv: usize = self.slots.iter().map(|s| s.cache.allocated_bytes()).sum();
+        self.metrics.kv_cache_bytes.set(kv as i64);
     }
 
     /// Fails every request in a slot or in the queue.
@@ -299,34 +331,24 @@ impl<'t> Engine<'t> {
         for slot in self.slots.drain(..) {
             slot.send(failed.clone());
         }
-        self.queue.close();
-        while let Ok(request) = self.queue.try_recv() {
+        for request in self.queue.drain() {
             let _ = request.events.send(failed.clone());
         }
-        self.metrics.slots_busy.set(0);
+        self.publish_slots();
     }
 
-    /// Moves queued requests into free slots, waiting for one when all slots are idle; `false`
-    /// when the queue is closed and nothing is left to do.
-    fn admit(&mut self) -> bool {
+    /// Moves queued requests into free slots, waiting for one (or for the queue to close) when
+    /// all slots are idle.
+    fn admit(&mut self) {
         while self.slots.len() < self.config.slots {
-            let request = if self.slots.is_empty() {
-                self.metrics.slots_busy.set(0);
-                match self.queue.blocking_recv() {
-                    Some(r) => r,
-                    None => return false,
-                }
-            } else {
-                match self.queue.try_recv() {
-                    Ok(r) => r,
-                    Err(_) => break,
-                }
+            let Some(request) = self.queue.pop(self.slots.is_empty()) else {
+                break;
             };
-            if request.events.is_closed() {
-                continue;
-            }
             let p = &request.params;
-            let sampler = LogitsProcessor::new(p.seed, Some(p.temperature), p.top_p);
+            // A top_p of 0 in f32 (the sampler's precision) would keep no token: the nucleus
+            // keeps at least the most probable one.
+            let top_p = p.top_p.map(|p| p.max(f32::MIN_POSITIVE.into()));
+            let sampler = LogitsProcessor::new(p.seed, Some(p.temperature), top_p);
             let room = self.config.ctx.saturating_sub(request.prompt.len());
             let limit = p.max_tokens.unwrap_or(room).min(room);
             self.metrics
@@ -336,13 +358,15 @@ impl<'t> Engine<'t> {
                 tokens: request.prompt.clone(),
                 cache: self.model.new_sequence(),
                 sampler,
+                tokenizer: self.tokenizer,
                 detokenizer: self.tokenizer.decode_stream(true),
+                decoded: request.prompt.len(),
+                fed: request.prompt.len(),
                 text: StopText::new(&p.stop),
                 limit,
                 request,
             });
         }
-        true
     }
 
     /// One batch: every decoding slot's next token and up to `prefill_chunk` prompt tokens.
@@ -449,37 +473,20 @@ impl<'t> Engine<'t> {
                         tokens: item.tokens,
                     }];
                     let logits = self.model.forward_sequences(&mut one);
-                    logits.map(|mut l| l.remove(0)).map_err(|e| e.to_string())
+                    logits.map(|mut l| l.remove(0)).map_err(|e| message(&e))
                 })
                 .collect(),
-            Err(e) => vec![Err(e.to_string())],
+            Err(e) => vec![Err(message(&e))],
         }
     }
 
-    /// Updates the metrics after a step that sampled `sampled` tokens.
+    /// Updates the metrics after a step that sampled `sampled` tokens (the slots' gauges are set
+    /// at the next turn of [`Self::run`]).
     fn record(&mut self, start: Instant, sampled: usize) {
-        let now = Instant::now();
-        self.metrics.generated_tokens.inc_by(sampled as u64);
-        self.recent.push_back((now, now - start, sampled));
-        while let Some(&(end, _, _)) = self.recent.front() {
-            if now - end <= RATE_WINDOW {
-                break;
-            }
-            self.recent.pop_front();
-        }
-        let busy: f64 = self.recent.iter().map(|r| r.1.as_secs_f64()).sum();
-        let tokens: usize = self.recent.iter().map(|r| r.2).sum();
-        let rate = if busy > 0.0 {
-            tokens as f64 / busy
-        } else {
-            0.0
-        };
-        self.metrics.decode_tokens_per_second.set(rate);
+        self.metrics.step(start.elapsed(), sampled);
         let traffic = self.model.expert_traffic();
         self.metrics.add_traffic(&self.traffic, &traffic);
         self.traffic = traffic;
-        let kv: usize = self.slots.iter().map(|s| s.cache.allocated_bytes()).sum();
-        self.metrics.kv_cache_bytes.set(kv as i64);
     }
 }
 
@@ -505,8 +512,17 @@ mod tests {
         assert_eq!(none.push("E"), ("E".into(), false));
     }
 
+    #[test]
+    fn messages_leave_backtraces_out() {
+        let e = candle::Error::WithBacktrace {
+            inner: Box::new(candle::Error::Msg("boom".into()).context("step")),
+            backtrace: Box::new(std::backtrace::Backtrace::force_capture()),
+        };
+        assert_eq!(message(&e), "step: boom");
+    }
+
     struct Harness {
-        queue: mpsc::Sender<Request>,
+        queue: Arc<Queue>,
         thread: std::thread::JoinHandle<()>,
     }
 
@@ -516,7 +532,8 @@ mod tests {
         let model = synth
             .load(DType::F32, &candle::Device::Cpu, &synth.int4_experts())
             .unwrap();
-        let (queue, rx) = mpsc::channel(64);
+        let queue = Arc::new(Queue::new(64));
+        let engine_queue = queue.clone();
         let thread = std::thread::spawn(move || {
             let (tokenizer, _) =
                 candle_qmoe_suite::tokenizer::synthetic_tokenizer(SyntheticKind::Tiny).unwrap();
@@ -527,8 +544,7 @@ mod tests {
                 stop_ids: vec![],
             };
             let metrics = Arc::new(Metrics::new(slots, None));
-            let cancel = Arc::new(AtomicBool::new(false));
-            Engine::new(model, &tokenizer, config, rx, metrics, cancel).run();
+            Engine::new(model, &tokenizer, config, engine_queue, metrics).run();
         });
         Harness { queue, thread }
     }
@@ -550,7 +566,7 @@ mod tests {
     ) -> mpsc::UnboundedReceiver<Event> {
         let (events, rx) = mpsc::unbounded_channel();
         h.queue
-            .blocking_send(Request {
+            .push(Request {
                 prompt,
                 params,
                 events,
@@ -584,7 +600,7 @@ mod tests {
             .into_iter()
             .map(|p| collect(submit(&solo, p, greedy(6))))
             .collect();
-        drop(solo.queue);
+        solo.queue.close();
         solo.thread.join().unwrap();
         for (_, end) in &alone {
             assert!(matches!(
@@ -620,7 +636,7 @@ mod tests {
                 completion_tokens: 34
             })
         );
-        drop(h.queue);
+        h.queue.close();
         h.thread.join().unwrap();
     }
 }

@@ -1,16 +1,18 @@
 //! The HTTP side (axum): routes, handlers that check and tokenize a request and hand it to the
 //! engine's bounded queue (full: 503 with `Retry-After`), answers streamed as server-sent events
-//! (with keep-alive comments) or collected, and graceful shutdown on SIGINT/SIGTERM.
+//! (with keep-alive comments) or collected, every error in OpenAI's shape (unknown routes, wrong
+//! methods and bodies too large included), and graceful shutdown on SIGINT/SIGTERM.
 
 use std::future::IntoFuture;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use axum::body::Bytes;
-use axum::extract::{MatchedPath, Request as HttpRequest, State};
-use axum::http::StatusCode;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{MatchedPath, Path, Request as HttpRequest, State};
+use axum::http::{Method, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -18,18 +20,19 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::json;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot};
 
 use crate::api::{parse_request, unix_time, ApiError, Frontend, Kind, Reply};
 use crate::engine::{Event, Request};
 use crate::metrics::Metrics;
+use crate::queue::{Queue, Refused};
 
 /// What every handler shares.
 pub struct AppState {
     /// Tokenizer, chat template, slot context.
     pub frontend: Frontend,
     /// The engine's queue.
-    pub queue: mpsc::Sender<Request>,
+    pub queue: Arc<Queue>,
     /// The metrics.
     pub metrics: Arc<Metrics>,
     /// Interval of SSE keep-alive comments.
@@ -48,8 +51,17 @@ pub fn router(state: Shared) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model))
         .route("/health", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/metrics", get(metrics))
+        .fallback(|method: Method, uri: Uri| async move {
+            let message = format!("Invalid URL ({method} {})", uri.path());
+            ApiError::client(StatusCode::NOT_FOUND, message, None)
+        })
+        .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
+            let message = format!("{method} is not allowed on {}", uri.path());
+            ApiError::client(StatusCode::METHOD_NOT_ALLOWED, message, None)
+        })
         .layer(middleware::from_fn_with_state(state.clone(), count))
         .with_state(state)
 }
@@ -65,47 +77,71 @@ async fn count(State(s): State<Shared>, request: HttpRequest, next: Next) -> Res
     response
 }
 
-async fn models(State(s): State<Shared>) -> Json<serde_json::Value> {
-    Json(json!({"object": "list", "data": [{
+/// The model object of `/v1/models`.
+fn model_card(s: &AppState) -> serde_json::Value {
+    json!({
         "id": s.frontend.model_id, "object": "model", "created": s.started,
         "owned_by": "candle-qmoe",
-    }]}))
+    })
+}
+
+async fn models(State(s): State<Shared>) -> Json<serde_json::Value> {
+    Json(json!({"object": "list", "data": [model_card(&s)]}))
+}
+
+async fn model(State(s): State<Shared>, Path(id): Path<String>) -> Response {
+    if id == s.frontend.model_id {
+        return Json(model_card(&s)).into_response();
+    }
+    let message = format!("The model `{id}` does not exist");
+    ApiError::client(StatusCode::NOT_FOUND, message, Some("model_not_found")).into_response()
 }
 
 async fn metrics(State(s): State<Shared>) -> impl IntoResponse {
-    let waiting = s.queue.max_capacity() - s.queue.capacity();
-    s.metrics.queue_length.set(waiting as i64);
+    s.metrics.queue_length.set(s.queue.waiting() as i64);
     (
-        [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
+        [("content-type", crate::metrics::CONTENT_TYPE)],
         s.metrics.encode(),
     )
 }
 
-async fn chat(State(s): State<Shared>, body: Bytes) -> Response {
+async fn chat(State(s): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
     answer(s, body, Kind::Chat).await
 }
 
-async fn completions(State(s): State<Shared>, body: Bytes) -> Response {
+async fn completions(State(s): State<Shared>, body: Result<Bytes, BytesRejection>) -> Response {
     answer(s, body, Kind::Text).await
 }
 
-/// Checks, queues and answers one request.
-async fn answer(s: Shared, body: Bytes, kind: Kind) -> Response {
-    let checked =
-        match parse_request(&body).and_then(|r| s.frontend.check(r, matches!(kind, Kind::Chat))) {
-            Ok(c) => c,
-            Err(e) => return e.into_response(),
-        };
+/// Checks, queues and answers one request (a body that could not be read, e.g. too large, is
+/// refused with its status). Parsing and tokenizing run on tokio's blocking pool, so that long
+/// prompts do not stall the other connections.
+async fn answer(s: Shared, body: Result<Bytes, BytesRejection>, kind: Kind) -> Response {
+    let body = match body {
+        Ok(body) => body,
+        Err(e) => return ApiError::client(e.status(), e.body_text(), None).into_response(),
+    };
+    let frontend = s.clone();
+    let checked = tokio::task::spawn_blocking(move || {
+        let chat = matches!(kind, Kind::Chat);
+        parse_request(&body).and_then(|r| frontend.frontend.check(r, chat))
+    })
+    .await;
+    let checked = match checked {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => return e.into_response(),
+        Err(e) => return failed(format!("checking the request failed: {e}")).into_response(),
+    };
     let (events, rx) = mpsc::unbounded_channel();
     let request = Request {
         prompt: checked.prompt,
         params: checked.params,
         events,
     };
-    if let Err(e) = s.queue.try_send(request) {
-        let message = match e {
-            mpsc::error::TrySendError::Full(_) => "the request queue is full: retry later",
-            mpsc::error::TrySendError::Closed(_) => "the server is shutting down",
+    if let Err(refused) = s.queue.push(request) {
+        let message = match refused {
+            Refused::Full => "the request queue is full: retry later",
+            Refused::Closed => "the server is shutting down",
         };
         return ApiError::server(StatusCode::SERVICE_UNAVAILABLE, message, "overloaded")
             .into_response();
@@ -159,16 +195,13 @@ fn sse(
     let data = |v: serde_json::Value| SseEvent::default().data(v.to_string());
     let done = || SseEvent::default().data("[DONE]");
     let events = stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) });
-    let mut first = true;
-    events.flat_map(move |event| {
+    // Chat streams open with the assistant role, even when no text follows.
+    let role = matches!(reply.kind, Kind::Chat).then(|| Ok(data(reply.role_chunk())));
+    let chunks = events.flat_map(move |event| {
         let out = match event {
-            Event::Text(t) => {
-                let chunk = reply.chunk(&t, first, None);
-                first = false;
-                vec![data(chunk)]
-            }
+            Event::Text(t) => vec![data(reply.chunk(&t, None))],
             Event::Done(finish) => {
-                let mut out = vec![data(reply.chunk("", first, Some(&finish)))];
+                let mut out = vec![data(reply.chunk("", Some(&finish)))];
                 if include_usage {
                     out.push(data(reply.usage_chunk(&finish)));
                 }
@@ -178,7 +211,8 @@ fn sse(
             Event::Failed(message) => vec![data(failed(message).body()), done()],
         };
         stream::iter(out.into_iter().map(Ok))
-    })
+    });
+    stream::iter(role).chain(chunks)
 }
 
 /// Resolves at SIGINT or SIGTERM.
@@ -198,43 +232,42 @@ async fn signal() {
 }
 
 /// Serves `state` on `host:port` (0: a free port) until SIGINT/SIGTERM; then stops accepting,
-/// lets requests in flight finish for `grace`, and after it sets `cancel`, which makes the
-/// engine end the rest.
-pub async fn serve(
-    state: Shared,
-    host: &str,
-    port: u16,
-    grace: Duration,
-    cancel: Arc<AtomicBool>,
-) -> Result<()> {
+/// lets requests in flight finish for `grace` (cut short by a second signal) and closes the
+/// engine's queue, which fails the requests left and stops the engine. Connections still open
+/// then (a client that never finished its request) get 2 s more; the runtime's end drops them.
+pub async fn serve(state: Shared, host: &str, port: u16, grace: Duration) -> Result<()> {
     let listener = tokio::net::TcpListener::bind((host, port))
         .await
         .with_context(|| format!("cannot listen on {host}:{port}"))?;
     let addr = listener.local_addr()?;
     println!("listening on http://{addr}");
     std::io::Write::flush(&mut std::io::stdout())?;
-    let (stop_tx, mut stop_rx) = watch::channel(false);
-    tokio::spawn(async move {
-        signal().await;
-        println!("shutting down: no new connections; requests in flight get {grace:?}");
-        let _ = stop_tx.send(true);
-    });
-    let mut stopping = stop_rx.clone();
-    let server = axum::serve(listener, router(state)).with_graceful_shutdown(async move {
-        let _ = stopping.wait_for(|&s| s).await;
-    });
-    let server = server.into_future();
+    let queue = state.queue.clone();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let server = axum::serve(listener, router(state))
+        .with_graceful_shutdown(async {
+            let _ = stopped.await;
+        })
+        .into_future();
     tokio::pin!(server);
     tokio::select! {
-        r = &mut server => r?,
-        _ = async {
-            let _ = stop_rx.wait_for(|&s| s).await;
-            tokio::time::sleep(grace).await;
-        } => {
-            println!("grace period over: cancelling the requests still in flight");
-            cancel.store(true, Ordering::Relaxed);
-            let _ = tokio::time::timeout(Duration::from_secs(2), &mut server).await;
-        }
+        r = &mut server => return Ok(r?),
+        _ = signal() => {}
     }
+    println!("shutting down: no new connections; requests in flight get {grace:?}");
+    let _ = stop.send(());
+    tokio::select! {
+        r = &mut server => {
+            // Every connection ended: nothing is left in flight.
+            queue.close();
+            return Ok(r?);
+        }
+        _ = tokio::time::sleep(grace) => {
+            println!("grace period over: cancelling the requests still in flight");
+        }
+        _ = signal() => println!("second signal: cancelling the requests in flight"),
+    }
+    queue.close();
+    let _ = tokio::time::timeout(Duration::from_secs(2), &mut server).await;
     Ok(())
 }

@@ -15,8 +15,9 @@ mod api;
 mod engine;
 mod http;
 mod metrics;
+mod queue;
 
-use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,11 +26,11 @@ use candle::Device;
 use candle_qmoe::plan::{self, Plan};
 use candle_qmoe_suite::model::{Batching, Loaded, ModelArgs};
 use clap::Parser;
-use tokio::sync::mpsc;
 
 use crate::api::Frontend;
 use crate::engine::{Engine, EngineConfig};
 use crate::metrics::Metrics;
+use crate::queue::Queue;
 
 /// Default tokens per slot when `--ctx` is not given (or the model's context, if shorter).
 const DEFAULT_CTX: usize = 4096;
@@ -128,8 +129,7 @@ fn main() -> Result<()> {
         args.parallel, args.prefill_chunk, args.queue
     );
     let metrics = Arc::new(Metrics::new(args.parallel, residency));
-    let (queue, requests) = mpsc::channel(args.queue);
-    let cancel = Arc::new(AtomicBool::new(false));
+    let queue = Arc::new(Queue::new(args.queue));
     let config = EngineConfig {
         slots: args.parallel,
         ctx,
@@ -137,13 +137,13 @@ fn main() -> Result<()> {
         stop_ids,
     };
     let engine = {
-        let (metrics, cancel, tokenizer) = (metrics.clone(), cancel.clone(), tokenizer.clone());
+        let (metrics, queue, tokenizer) = (metrics.clone(), queue.clone(), tokenizer.clone());
         std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || {
                 // The model's steps on a thread of rayon's pool (see `on_rayon_pool`).
                 candle_qmoe::pool::on_rayon_pool(move || {
-                    Engine::new(model, &tokenizer, config, requests, metrics, cancel).run()
+                    Engine::new(model, &tokenizer, config, queue, metrics).run()
                 })
             })?
     };
@@ -170,7 +170,6 @@ fn main() -> Result<()> {
         &args.host,
         args.port,
         Duration::from_secs(args.shutdown_grace_secs),
-        cancel,
     ))?;
     engine
         .join()

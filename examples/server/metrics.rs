@@ -1,11 +1,13 @@
-//! `GET /metrics`: Prometheus text (prometheus-client) — requests by endpoint and status, prompt
+//! `GET /metrics`: OpenMetrics text (prometheus-client) — requests by endpoint and status, prompt
 //! and generated tokens, queue length, busy slots, decode tokens/s, KV bytes, the routed experts'
 //! traffic (`MoeForCausalLm::expert_traffic`), with an expert cache its counters
 //! (`residency_json`) and, with `--profile`, the time and calls of each part of the forward
 //! passes (`candle_qmoe::profile`).
 
+use std::collections::VecDeque;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use candle_qmoe::models::ExpertTraffic;
 use candle_qmoe::profile::{self, Profile};
@@ -19,6 +21,12 @@ use prometheus_client::registry::Registry;
 /// Labels of one series: `(name, value)` pairs.
 type Labels = Vec<(String, String)>;
 
+/// The Content-Type of [`Metrics::encode`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Decode tokens per second over the steps of the last `RATE_WINDOW`.
+const RATE_WINDOW: Duration = Duration::from_secs(10);
+
 /// Every metric the server exports; counters and gauges are atomics shared with the engine.
 pub struct Metrics {
     registry: Registry,
@@ -26,13 +34,15 @@ pub struct Metrics {
     /// Prompt tokens admitted into slots.
     pub prompt_tokens: Counter,
     /// Tokens sampled.
-    pub generated_tokens: Counter,
+    generated_tokens: Counter,
     /// Requests waiting for a slot.
     pub queue_length: Gauge,
     /// Slots holding a request.
     pub slots_busy: Gauge,
-    /// Tokens sampled per second of engine steps over the last 10 s.
-    pub decode_tokens_per_second: Gauge<f64, AtomicU64>,
+    /// Tokens sampled per second of engine steps over the last 10 s (set when encoded).
+    decode_tokens_per_second: Gauge<f64, AtomicU64>,
+    /// (end, duration, tokens sampled) of the engine's recent steps.
+    steps: Mutex<VecDeque<(Instant, Duration, usize)>>,
     /// KV cache bytes the slots hold.
     pub kv_cache_bytes: Gauge,
     expert_calls: Counter,
@@ -59,6 +69,7 @@ impl Metrics {
             queue_length: Gauge::default(),
             slots_busy: Gauge::default(),
             decode_tokens_per_second: Gauge::default(),
+            steps: Mutex::default(),
             kv_cache_bytes: Gauge::default(),
             expert_calls: Counter::default(),
             expert_tokens: Counter::default(),
@@ -155,6 +166,33 @@ impl Metrics {
             .inc();
     }
 
+    /// Counts an engine step that took `busy` and sampled `sampled` tokens.
+    pub fn step(&self, busy: Duration, sampled: usize) {
+        self.generated_tokens.inc_by(sampled as u64);
+        let mut steps = self.steps.lock().unwrap_or_else(|e| e.into_inner());
+        steps.push_back((Instant::now(), busy, sampled));
+    }
+
+    /// Tokens sampled per second of the steps that ended in the last `RATE_WINDOW` (0 when
+    /// idle); older steps are forgotten.
+    fn decode_rate(&self) -> f64 {
+        let mut steps = self.steps.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        while steps
+            .front()
+            .is_some_and(|&(end, _, _)| now - end > RATE_WINDOW)
+        {
+            steps.pop_front();
+        }
+        let busy: f64 = steps.iter().map(|s| s.1.as_secs_f64()).sum();
+        let tokens: usize = steps.iter().map(|s| s.2).sum();
+        if busy > 0.0 {
+            tokens as f64 / busy
+        } else {
+            0.0
+        }
+    }
+
     /// Adds the expert traffic between two cumulative readings.
     pub fn add_traffic(&self, before: &ExpertTraffic, now: &ExpertTraffic) {
         self.expert_calls
@@ -167,8 +205,9 @@ impl Metrics {
             .inc_by(now.bytes_read.saturating_sub(before.bytes_read));
     }
 
-    /// The Prometheus text of every metric now.
+    /// The OpenMetrics text of every metric now.
     pub fn encode(&self) -> String {
+        self.decode_tokens_per_second.set(self.decode_rate());
         if let Some(r) = &self.residency {
             let stats = candle_qmoe_suite::model::residency_json(Some(r));
             for (name, value) in stats.as_object().into_iter().flatten() {

@@ -7,6 +7,7 @@ full-queue test starts its own `--parallel 1 --queue 1` server from $QMOE_SERVER
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -71,6 +72,20 @@ class Api(unittest.TestCase):
         # The per-part tally is exported only with --profile (OwnServer below).
         self.assertFalse([k for k in m if k.startswith("qmoe_forward_")])
 
+    def test_metrics_are_openmetrics_and_idle_gauges_fall_to_zero(self):
+        _, headers, text = raw(URL, "/metrics")
+        content_type = {k.lower(): v for k, v in headers.items()}["content-type"]
+        self.assertEqual(content_type, "application/openmetrics-text; version=1.0.0; charset=utf-8")
+        self.assertTrue(text.endswith("# EOF\n"))
+        stream = self.complete(max_tokens=3000, temperature=0, stream=True)
+        next(iter(stream))
+        stream.close()
+        wait_until(lambda: metrics(URL)["qmoe_slots_busy"] == 0, "the slot is freed")
+        self.assertEqual(metrics(URL)["qmoe_kv_cache_bytes"], 0)
+        # The rate is over the steps of the last 10 s.
+        time.sleep(10.5)
+        self.assertEqual(metrics(URL)["qmoe_decode_tokens_per_second"], 0)
+
     def test_chat_greedy_stream_equals_non_stream_with_usage(self):
         r = self.chat(max_tokens=12, temperature=0)
         self.assertEqual(r.object, "chat.completion")
@@ -132,6 +147,75 @@ class Api(unittest.TestCase):
         r = self.chat(messages=turns, max_tokens=2, temperature=0)
         self.assertGreater(r.usage.prompt_tokens, one + 10)
 
+    def test_a_tiny_top_p_keeps_the_most_probable_token(self):
+        greedy = self.complete(max_tokens=4, temperature=0).choices[0].text
+        # 1e-46 is 0 in f32.
+        self.assertEqual(self.complete(max_tokens=4, temperature=1, top_p=1e-46).choices[0].text, greedy)
+
+    def test_a_last_token_inside_a_character_is_sent(self):
+        # The greedy answer's first token is the start of a UTF-8 sequence.
+        kw = dict(prompt=list(range(1000, 1063)), max_tokens=1, temperature=0)
+        r = self.complete(**kw)
+        self.check_usage(r.usage, 1)
+        self.assertEqual(r.choices[0].text, "\ufffd")
+        self.assertEqual("".join(ch.choices[0].text for ch in self.complete(stream=True, **kw)), "\ufffd")
+
+    def test_a_chat_stream_opens_with_the_role_even_when_empty(self):
+        full = self.chat(max_tokens=8, temperature=0).choices[0].message.content
+        self.assertTrue(full)
+        # Stopping at the answer's first character leaves it empty.
+        chunks = list(self.chat(max_tokens=8, temperature=0, stop=full[0], stream=True))
+        self.assertEqual(chunks[0].choices[0].delta.role, "assistant")
+        self.assertEqual("".join(ch.choices[0].delta.content or "" for ch in chunks), "")
+        self.assertEqual(chunks[-1].choices[0].finish_reason, "stop")
+        roles = [ch.choices[0].delta.role for ch in self.chat(max_tokens=3, temperature=0, stream=True)]
+        self.assertEqual(roles, ["assistant"] + [None] * (len(roles) - 1))
+
+    def test_routes_and_bodies_outside_the_api_get_openai_errors(self):
+        for method, path, status in [("GET", "/v1/nope", 404), ("POST", "/v1/models", 405), ("GET", "/v1/chat/completions", 405)]:
+            code, headers, text = raw(URL, path, b"{}" if method == "POST" else None, method)
+            self.assertEqual(code, status, (method, path, text))
+            self.assertEqual(json.loads(text)["error"]["type"], "invalid_request_error")
+        self.assertEqual(json.loads(raw(URL, "/v1/nope")[2])["error"]["message"], "Invalid URL (GET /v1/nope)")
+        code, headers, text = raw(URL, "/v1/completions", {"prompt": "a " * 1_500_000, "max_tokens": 1})
+        self.assertEqual(code, 413)
+        self.assertEqual(json.loads(text)["error"]["type"], "invalid_request_error")
+        self.assertEqual(self.c.models.retrieve(self.model).id, self.model)
+        with self.assertRaises(openai.NotFoundError) as e:
+            self.c.models.retrieve("no-such-model")
+        self.assertEqual(e.exception.code, "model_not_found")
+
+    def test_prompt_forms(self):
+        ids = list(range(100, 110))
+        want = self.complete(prompt=ids, max_tokens=3, temperature=0).choices[0].text
+        self.assertEqual(self.complete(prompt=[ids], max_tokens=3, temperature=0).choices[0].text, want)
+        for prompt in ([ids, ids], ["a", "b"]):
+            code, _, text = raw(URL, "/v1/completions", {"prompt": prompt})
+            self.assertEqual(code, 400)
+            self.assertIn("2 prompts", json.loads(text)["error"]["message"])
+        code, _, text = raw(URL, "/v1/completions", {"prompt": {"x": 1}})
+        self.assertEqual(code, 400)
+        self.assertIn("a string, a list of token ids", json.loads(text)["error"]["message"])
+
+    def test_at_most_four_stop_strings(self):
+        self.check_usage(self.complete(max_tokens=2, temperature=0, stop=["w", "x", "y", "z"]).usage)
+        with self.assertRaises(openai.BadRequestError) as e:
+            self.complete(max_tokens=2, stop=["v", "w", "x", "y", "z"])
+        self.assertEqual(e.exception.body["param"], "stop")
+
+    def test_unsupported_fields_are_refused(self):
+        msgs = [{"role": "user", "content": "hi"}]
+        self.assert_error(400, {"messages": msgs, "logprobs": True}, "logprobs")
+        self.assert_error(400, {"messages": msgs, "top_logprobs": 2}, "top_logprobs")
+        self.assert_error(400, {"messages": msgs, "response_format": {"type": "json_object"}}, "response_format")
+        for field, value in [("echo", True), ("logprobs", 0)]:
+            code, _, text = raw(URL, "/v1/completions", {"prompt": "hi", field: value})
+            self.assertEqual((code, json.loads(text)["error"]["param"]), (400, field))
+        # Their neutral values are accepted.
+        ok = {"logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"}}
+        self.check_usage(self.chat(max_tokens=1, extra_body=ok).usage, 1)
+        self.check_usage(self.complete(max_tokens=1, echo=False, logprobs=None).usage, 1)
+
     def test_unknown_fields_are_ignored(self):
         r = self.chat(max_tokens=2, temperature=0, extra_body={"frobnicate": {"x": 1}, "logit_bias": None})
         self.check_usage(r.usage, 2)
@@ -160,6 +244,19 @@ class Api(unittest.TestCase):
             self.complete(prompt="hello " * 5000, max_tokens=1)
         self.assertIn("--ctx", str(e.exception))
 
+    def test_long_prompts_do_not_stall_other_requests(self):
+        body = {"prompt": "hello " * 330_000, "max_tokens": 1}  # 2 MB of text: over --ctx, a 400
+        threads = [threading.Thread(target=raw, args=(URL, "/v1/completions", body)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)  # while they are tokenized
+        start = time.perf_counter()
+        self.assertEqual(raw(URL, "/health")[0], 200)
+        waited = time.perf_counter() - start
+        for t in threads:
+            t.join()
+        self.assertLess(waited, 0.5)
+
     def test_client_disconnect_frees_the_slot(self):
         before = metrics(URL)["qmoe_generated_tokens_total"]
         stream = self.complete(max_tokens=3000, temperature=0, stream=True)
@@ -180,6 +277,21 @@ def spawn_server(*flags):
             threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
             return proc, m.group(1)
     raise AssertionError(f"the server did not start: {proc.wait()}")
+
+
+def post(path, body):
+    """A complete HTTP/1.1 POST of the JSON `body`, as bytes."""
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    return head.encode() + data
+
+
+def connect(url, data):
+    """A socket to the server at `url` that has sent `data`."""
+    host, port = url.split("//")[1].split(":")
+    s = socket.create_connection((host, int(port)))
+    s.sendall(data)
+    return s
 
 
 def stop(proc):
@@ -268,6 +380,59 @@ class OwnServer(unittest.TestCase):
             status, _, text = result[0]
             self.assertEqual(status, 500)
             self.assertIn("shutting down", json.loads(text)["error"]["message"])
+        finally:
+            stop(proc)
+
+    def test_sigterm_exits_although_a_client_never_finishes_its_request(self):
+        proc, url = spawn_server("--shutdown-grace-secs", "1")
+        try:
+            held = [
+                connect(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Len"),
+                connect(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"),
+            ]
+            time.sleep(0.3)
+            proc.terminate()
+            # The grace period, then 2 s for the connections still open.
+            self.assertEqual(proc.wait(timeout=10), 0)
+            for s in held:
+                s.close()
+        finally:
+            stop(proc)
+
+    def test_a_second_signal_cuts_the_grace_period_short(self):
+        proc, url = spawn_server("--shutdown-grace-secs", "600")
+        try:
+            held = connect(url, b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            time.sleep(0.3)
+            proc.terminate()
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            self.assertEqual(proc.wait(timeout=10), 0)
+            held.close()
+        finally:
+            stop(proc)
+
+    def test_clients_that_leave_the_queue_free_their_place(self):
+        proc, url = spawn_server("--parallel", "1", "--queue", "2")
+        try:
+            c = client(url)
+            running = c.completions.create(model="m", prompt="Hi", max_tokens=3000, temperature=0, stream=True)
+            next(iter(running))
+            queued = [
+                connect(url, post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stream": stream}))
+                for stream in (False, True)
+            ]
+            wait_until(lambda: metrics(url)["qmoe_queue_length"] == 2, "both wait")
+            for s in queued:
+                s.close()
+            wait_until(lambda: metrics(url)["qmoe_queue_length"] == 0, "they leave the queue")
+            result = []
+            t = threading.Thread(target=lambda: result.append(raw(url, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})))
+            t.start()
+            wait_until(lambda: metrics(url)["qmoe_queue_length"] == 1, "a new request waits")
+            running.close()
+            t.join()
+            self.assertEqual(result[0][0], 200, result[0][2])
         finally:
             stop(proc)
 
