@@ -50,8 +50,8 @@ struct Args {
     /// Sampling temperature; absent or 0 = greedy.
     #[arg(long)]
     temperature: Option<f64>,
-    /// Nucleus sampling probability cutoff.
-    #[arg(long)]
+    /// Nucleus sampling probability cutoff (with --temperature: greedy decoding has no nucleus).
+    #[arg(long, requires = "temperature")]
     top_p: Option<f64>,
     /// Sampling seed.
     #[arg(long, default_value_t = 299792458)]

@@ -86,11 +86,11 @@ struct Args {
     #[arg(long, value_parser = parse_budget, allow_hyphen_values = true)]
     vram_budget: Option<u64>,
     /// Fraction of the budget held back on top of every component's maximum.
-    #[arg(long, default_value_t = DEFAULT_MARGIN)]
+    #[arg(long, default_value_t = DEFAULT_MARGIN, requires = "vram_budget")]
     margin: f64,
     /// Weights per MoE layer for the fit (e.g. recorded misses), comma-separated: heavier
     /// layers get spare slots first.
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', requires = "vram_budget")]
     layer_weights: Option<Vec<f64>>,
     /// Let the fit reduce the context when the budget cannot hold it.
     #[arg(long)]

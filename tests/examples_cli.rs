@@ -186,6 +186,16 @@ fn contradictory_flags_are_refused() {
             vec!["--synthetic", "tiny", "--revision", "x"],
             ["--synthetic", "--revision"],
         ),
+        (
+            "plan",
+            vec!["--synthetic", "tiny", "--margin", "0.1"],
+            ["--margin", "--vram-budget"],
+        ),
+        (
+            "generate",
+            vec!["--cpu", "--synthetic", "tiny", "--top-p", "0.9"],
+            ["--top-p", "--temperature"],
+        ),
     ] {
         let out = run(name, &args);
         assert!(!out.status.success(), "{name} {args:?} accepted");
