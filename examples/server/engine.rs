@@ -19,6 +19,7 @@ use candle::Tensor;
 use candle_qmoe::generation::check_logits;
 use candle_qmoe::kernels::cpu::W4A8_MIN_TOKENS;
 use candle_qmoe::models::{ExpertTraffic, MoeForCausalLm, SequenceCache, SequenceInput};
+use candle_qmoe_suite::model::sampler;
 use candle_transformers::generation::LogitsProcessor;
 use serde::Serialize;
 use tokenizers::{
@@ -310,8 +311,11 @@ impl<'t> Engine<'t> {
                 return;
             }
             self.slots.retain(|s| !s.request.events.is_closed());
+            // Before `admit`, which waits when every slot is idle (the gauges then read 0), and
+            // after it, with the slots it filled.
             self.publish_slots();
             self.admit();
+            self.publish_slots();
             if !self.slots.is_empty() {
                 self.step();
             }
@@ -345,10 +349,7 @@ impl<'t> Engine<'t> {
                 break;
             };
             let p = &request.params;
-            // A top_p of 0 in f32 (the sampler's precision) would keep no token: the nucleus
-            // keeps at least the most probable one.
-            let top_p = p.top_p.map(|p| p.max(f32::MIN_POSITIVE.into()));
-            let sampler = LogitsProcessor::new(p.seed, Some(p.temperature), top_p);
+            let sampler = sampler(p.seed, Some(p.temperature), p.top_p);
             let room = self.config.ctx.saturating_sub(request.prompt.len());
             let limit = p.max_tokens.unwrap_or(room).min(room);
             self.metrics

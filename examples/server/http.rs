@@ -20,6 +20,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::json;
+use tokio::signal::unix::{signal, Signal, SignalKind};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::api::{parse_request, unix_time, ApiError, Frontend, Kind, Reply};
@@ -215,18 +216,26 @@ fn sse(
     stream::iter(role).chain(chunks)
 }
 
-/// Resolves at SIGINT or SIGTERM.
-async fn signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = ctrl_c => {}
-                _ = term.recv() => {}
-            }
-        }
-        Err(_) => {
-            let _ = ctrl_c.await;
+/// SIGINT and SIGTERM, listened to from start-up on: a signal that arrives between two waits
+/// is kept for the next one.
+struct Signals {
+    interrupt: Signal,
+    terminate: Signal,
+}
+
+impl Signals {
+    fn new() -> Result<Self> {
+        Ok(Self {
+            interrupt: signal(SignalKind::interrupt()).context("cannot listen for SIGINT")?,
+            terminate: signal(SignalKind::terminate()).context("cannot listen for SIGTERM")?,
+        })
+    }
+
+    /// Resolves at the next SIGINT or SIGTERM.
+    async fn next(&mut self) {
+        tokio::select! {
+            _ = self.interrupt.recv() => {}
+            _ = self.terminate.recv() => {}
         }
     }
 }
@@ -242,6 +251,7 @@ pub async fn serve(state: Shared, host: &str, port: u16, grace: Duration) -> Res
     let addr = listener.local_addr()?;
     println!("listening on http://{addr}");
     std::io::Write::flush(&mut std::io::stdout())?;
+    let mut signals = Signals::new()?;
     let queue = state.queue.clone();
     let (stop, stopped) = oneshot::channel::<()>();
     let server = axum::serve(listener, router(state))
@@ -251,8 +261,12 @@ pub async fn serve(state: Shared, host: &str, port: u16, grace: Duration) -> Res
         .into_future();
     tokio::pin!(server);
     tokio::select! {
-        r = &mut server => return Ok(r?),
-        _ = signal() => {}
+        r = &mut server => {
+            // The server failed: stop the engine too.
+            queue.close();
+            return Ok(r?);
+        }
+        _ = signals.next() => {}
     }
     println!("shutting down: no new connections; requests in flight get {grace:?}");
     let _ = stop.send(());
@@ -265,7 +279,7 @@ pub async fn serve(state: Shared, host: &str, port: u16, grace: Duration) -> Res
         _ = tokio::time::sleep(grace) => {
             println!("grace period over: cancelling the requests still in flight");
         }
-        _ = signal() => println!("second signal: cancelling the requests in flight"),
+        _ = signals.next() => println!("second signal: cancelling the requests in flight"),
     }
     queue.close();
     let _ = tokio::time::timeout(Duration::from_secs(2), &mut server).await;

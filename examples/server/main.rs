@@ -7,7 +7,7 @@
 //! ```
 //!
 //! `POST /v1/chat/completions` and `/v1/completions` (streamed as server-sent events or not),
-//! `GET /v1/models`, `/health` and `/metrics` (Prometheus). The model flags are `generate`'s; the
+//! `GET /v1/models`, `/health` and `/metrics` (OpenMetrics). The model flags are `generate`'s; the
 //! model runs on one engine thread that batches the slots' decode tokens with chunks of the
 //! prompts being read (`engine`), the HTTP side (`http`) checks and tokenizes requests (`api`).
 
@@ -64,7 +64,7 @@ struct Args {
     #[arg(long, default_value_t = 15)]
     keep_alive_secs: u64,
     /// Seconds that requests in flight get to finish after SIGINT/SIGTERM before they are
-    /// cancelled.
+    /// cancelled (a second signal cancels them at once).
     #[arg(long, default_value_t = 5)]
     shutdown_grace_secs: u64,
 }
@@ -141,6 +141,9 @@ fn main() -> Result<()> {
         std::thread::Builder::new()
             .name("engine".into())
             .spawn(move || {
+                // However the engine ends, a panic included, the queue closes: waiting clients
+                // get an error and new ones a 503, not a wait for an engine that is gone.
+                let _closes = queue::ClosesOnDrop(queue.clone());
                 // The model's steps on a thread of rayon's pool (see `on_rayon_pool`).
                 candle_qmoe::pool::on_rayon_pool(move || {
                     Engine::new(model, &tokenizer, config, queue, metrics).run()
@@ -161,8 +164,12 @@ fn main() -> Result<()> {
         started: api::unix_time(),
         next_id: AtomicU64::new(0),
     });
+    // Requests are parsed and tokenized on the blocking pool: as many at once as there are
+    // cores, so that a burst of long prompts queues instead of taking hundreds of threads.
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
+        .max_blocking_threads(cores)
         .enable_all()
         .build()?;
     runtime.block_on(http::serve(

@@ -6,7 +6,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use candle_qmoe::models::ExpertTraffic;
@@ -169,13 +169,13 @@ impl Metrics {
     /// Counts an engine step that took `busy` and sampled `sampled` tokens.
     pub fn step(&self, busy: Duration, sampled: usize) {
         self.generated_tokens.inc_by(sampled as u64);
-        let mut steps = self.steps.lock().unwrap_or_else(|e| e.into_inner());
+        let mut steps = self.recent_steps();
         steps.push_back((Instant::now(), busy, sampled));
     }
 
-    /// Tokens sampled per second of the steps that ended in the last `RATE_WINDOW` (0 when
-    /// idle); older steps are forgotten.
-    fn decode_rate(&self) -> f64 {
+    /// The steps that ended in the last `RATE_WINDOW`; older ones are forgotten (at every step,
+    /// so that a server nobody scrapes keeps a window's worth).
+    fn recent_steps(&self) -> MutexGuard<'_, VecDeque<(Instant, Duration, usize)>> {
         let mut steps = self.steps.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
         while steps
@@ -184,6 +184,13 @@ impl Metrics {
         {
             steps.pop_front();
         }
+        steps
+    }
+
+    /// Tokens sampled per second of the steps that ended in the last `RATE_WINDOW` (0 when
+    /// idle).
+    fn decode_rate(&self) -> f64 {
+        let steps = self.recent_steps();
         let busy: f64 = steps.iter().map(|s| s.1.as_secs_f64()).sum();
         let tokens: usize = steps.iter().map(|s| s.2).sum();
         if busy > 0.0 {

@@ -8,7 +8,7 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use crate::engine::Request;
 
 /// Why a request was not queued.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub enum Refused {
     /// `--queue` requests are waiting.
     Full,
@@ -99,5 +99,17 @@ impl Queue {
     /// The requests still waiting (after [`Self::close`]: nothing comes after them).
     pub fn drain(&self) -> Vec<Request> {
         self.live().waiting.drain(..).collect()
+    }
+}
+
+/// Closes the queue when dropped and drops the requests still waiting (their clients see the
+/// engine gone): held by the engine's thread, so that its end, a panic included, is the
+/// queue's too.
+pub struct ClosesOnDrop(pub std::sync::Arc<Queue>);
+
+impl Drop for ClosesOnDrop {
+    fn drop(&mut self) {
+        self.0.close();
+        drop(self.0.drain());
     }
 }

@@ -249,13 +249,13 @@ class Api(unittest.TestCase):
         threads = [threading.Thread(target=raw, args=(URL, "/v1/completions", body)) for _ in range(8)]
         for t in threads:
             t.start()
-        time.sleep(0.3)  # while they are tokenized
-        start = time.perf_counter()
+        time.sleep(0.3)  # while they are tokenized (about 0.7 s each, as many at once as cores)
         self.assertEqual(raw(URL, "/health")[0], 200)
-        waited = time.perf_counter() - start
+        # An order, not a time (CI machines are busy): /health did not wait for them all.
+        still_running = sum(t.is_alive() for t in threads)
         for t in threads:
             t.join()
-        self.assertLess(waited, 0.5)
+        self.assertGreater(still_running, 0, "/health waited for every long prompt")
 
     def test_client_disconnect_frees_the_slot(self):
         before = metrics(URL)["qmoe_generated_tokens_total"]
