@@ -366,6 +366,7 @@ fn run(args: Args) -> Result<()> {
     let mut baseline = if args.baseline {
         let mut m = args.model.clone();
         m.experts = Experts::Bf16;
+        m.group_size = None;
         m.resident = None;
         m.prefetch = false;
         m.pack = None;

@@ -25,8 +25,7 @@ use candle::{DType, Device};
 use candle_qmoe::generation::{generate, Generation, StopReason};
 use candle_qmoe::pack::GroupSize;
 use candle_qmoe_suite::chat::ChatArgs;
-use candle_qmoe_suite::model::{output_path, Loaded, ModelArgs};
-use candle_transformers::generation::LogitsProcessor;
+use candle_qmoe_suite::model::{output_path, sampler, Loaded, ModelArgs};
 use clap::Parser;
 use serde_json::json;
 
@@ -78,6 +77,9 @@ fn check_args(args: &Args) -> Result<()> {
     }
     if let Some(t) = args.temperature.filter(|t| !(t.is_finite() && *t >= 0.0)) {
         bail!("--temperature {t} must be a finite number ≥ 0");
+    }
+    if args.top_p.is_some() && args.temperature == Some(0.0) {
+        bail!("--top-p needs a --temperature above 0: --temperature 0 decodes greedily");
     }
     if !(args.repeat_penalty.is_finite() && args.repeat_penalty > 0.0) {
         bail!("--repeat-penalty {} must be > 0", args.repeat_penalty);
@@ -140,7 +142,7 @@ fn run(args: Args) -> Result<()> {
     }
 
     println!("{}", args.prompt);
-    let mut logits_processor = LogitsProcessor::new(args.seed, args.temperature, args.top_p);
+    let mut logits_processor = sampler(args.seed, args.temperature, args.top_p);
     let mut stream = loaded.tokenizer.decode_stream(true);
     let mut stdout = std::io::stdout();
     let mut generation = generate(

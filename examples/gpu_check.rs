@@ -598,6 +598,7 @@ fn baseline_note(sanity: &Result<f64>, prefill: bool, tol: f64, what: &str) -> (
 }
 
 fn main() -> Result<()> {
+    candle_qmoe_suite::model::end_quietly_on_broken_pipe();
     let args = Args::parse();
     let commit = args
         .commit

@@ -90,10 +90,15 @@ struct Args {
     margin: f64,
     /// Weights per MoE layer for the fit (e.g. recorded misses), comma-separated: heavier
     /// layers get spare slots first.
-    #[arg(long, value_delimiter = ',', requires = "vram_budget")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        requires = "vram_budget",
+        conflicts_with = "resident"
+    )]
     layer_weights: Option<Vec<f64>>,
     /// Let the fit reduce the context when the budget cannot hold it.
-    #[arg(long)]
+    #[arg(long, requires = "vram_budget", conflicts_with = "resident")]
     allow_ctx_reduction: bool,
     /// Where the model runs.
     #[arg(long, value_enum, default_value = "cuda")]

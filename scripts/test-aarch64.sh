@@ -35,4 +35,7 @@ cargo test --release --target "$target" --workspace "$@" -- \
     --skip ggml_experts_copied_compute_the_same \
     --skip cpu_peak_rss_is_inside_the_plan \
     --skip parity_exits_with_its_verdict \
-    --skip quantize_writes_its_pack_into_the_folder_it_creates
+    --skip quantize_writes_its_pack_into_the_folder_it_creates \
+    --skip generate_ends_quietly_when_its_reader_goes_away \
+    --skip contradictory_flags_are_refused \
+    --skip a_vanishing_top_p_keeps_the_top_token

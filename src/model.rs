@@ -201,6 +201,18 @@ pub fn parse_arg<T: std::str::FromStr<Err = candle_qmoe::QmoeError>>(s: &str) ->
     s.parse().map_err(|e: candle_qmoe::QmoeError| e.to_string())
 }
 
+/// Candle's sampler for `temperature` (absent or 0: greedy) and `top_p`, with `top_p` raised to
+/// the smallest positive F32 (the sampler's precision): a smaller one rounds to 0, which would
+/// keep no token, where the nucleus always keeps the most probable one.
+pub fn sampler(
+    seed: u64,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+) -> candle_transformers::generation::LogitsProcessor {
+    let top_p = top_p.map(|p| p.max(f32::MIN_POSITIVE.into()));
+    candle_transformers::generation::LogitsProcessor::new(seed, temperature, top_p)
+}
+
 /// Gives SIGPIPE its default action back, as command-line tools written in C have it: the
 /// process ends quietly when the reader of its output goes away (`generate … | head`). Rust
 /// ignores the signal, so `println!` would panic on the broken pipe instead. For the examples

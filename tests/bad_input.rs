@@ -1051,9 +1051,11 @@ fn a_pack_of_experts_changed_since_is_refused() {
         std::fs::write(&st_path, bytes).unwrap();
         let e = check().unwrap_err();
         assert!(
-            matches!(&e, QmoeError::PackMismatch { reason, .. } if reason.contains("fingerprint")),
+            matches!(&e, QmoeError::PackMismatch { reason, .. }
+                if reason.contains("expert weights changed since this pack was made")),
             "{what}: {e}"
         );
+        assert!(e.to_string().contains("re-run quantize"), "{what}: {e}");
     }
     std::fs::write(&st_path, &original).unwrap();
     check().unwrap();

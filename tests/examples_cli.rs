@@ -196,6 +196,32 @@ fn contradictory_flags_are_refused() {
             vec!["--cpu", "--synthetic", "tiny", "--top-p", "0.9"],
             ["--top-p", "--temperature"],
         ),
+        (
+            "generate",
+            vec![
+                "--cpu",
+                "--synthetic",
+                "tiny",
+                "--temperature",
+                "0",
+                "--top-p",
+                "0.9",
+            ],
+            ["--top-p", "--temperature"],
+        ),
+        (
+            "plan",
+            vec![
+                "--synthetic",
+                "tiny",
+                "--vram-budget",
+                "8GiB",
+                "--resident",
+                "4",
+                "--allow-ctx-reduction",
+            ],
+            ["--allow-ctx-reduction", "--resident"],
+        ),
     ] {
         let out = run(name, &args);
         assert!(!out.status.success(), "{name} {args:?} accepted");
@@ -207,4 +233,41 @@ fn contradictory_flags_are_refused() {
             );
         }
     }
+}
+
+/// A `--top-p` below the smallest positive F32 keeps the most probable token (greedy), as
+/// the nucleus does, instead of failing in the sampler with no token left.
+#[test]
+fn a_vanishing_top_p_keeps_the_top_token() {
+    let args = [
+        "--cpu",
+        "--synthetic",
+        "tiny",
+        "-n",
+        "8",
+        "--prompt",
+        "hi",
+        "--no-chat",
+    ];
+    let greedy = run("generate", &args);
+    assert!(greedy.status.success(), "{}", text(&greedy));
+    let nucleus = run(
+        "generate",
+        &[&args[..], &["--temperature", "1", "--top-p", "1e-46"]].concat(),
+    );
+    assert!(nucleus.status.success(), "{}", text(&nucleus));
+    // The generated text: the line after the prompt's.
+    let text_of = |o: &Output| {
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        out.lines()
+            .skip_while(|l| *l != "hi")
+            .nth(1)
+            .map(String::from)
+    };
+    assert!(
+        text_of(&greedy).is_some_and(|t| !t.trim().is_empty()),
+        "{}",
+        text(&greedy)
+    );
+    assert_eq!(text_of(&greedy), text_of(&nucleus));
 }

@@ -30,7 +30,7 @@ pub fn activation_dtype(weights: DType, device: &Device) -> DType {
 /// How a [`DenseLinear`]'s weight is stored and multiplied.
 #[derive(Clone, Debug)]
 enum Kernel {
-    /// Candle's `Linear` (F32/F16 weights, any device).
+    /// Candle's `Linear` (F32 or F16 weights on the CPU, any dtype on a GPU).
     Candle(Linear),
     /// BF16 weight on the CPU, our kernel (F32 activations).
     Bf16 { weight: Tensor, op: Bf16MatMul },
@@ -102,6 +102,7 @@ impl DenseLinear {
             Kernel::Int8(_) => "int8",
             Kernel::Bf16 { .. } => "bf16",
             Kernel::Candle(l) => match l.weight().dtype() {
+                DType::BF16 => "bf16",
                 DType::F16 => "f16",
                 DType::F32 => "f32",
                 _ => "other",

@@ -547,7 +547,7 @@ fn scale_at(s: &[u8], g: usize) -> f32 {
     f16::from_le_bytes([s[2 * g], s[2 * g + 1]]).to_f32()
 }
 
-fn dot_scalar<T: ActInt, const TB: usize>(
+fn dot_portable<T: ActInt, const TB: usize>(
     shape: DotShape,
     w: &[u8],
     s: &[u8],
@@ -1442,7 +1442,7 @@ mod x86 {
 }
 
 /// `out[r · TB + t]` by the portable dot product, for every instruction set's fallback.
-fn block_scalar<T: ActInt, const TB: usize>(
+fn block_portable<T: ActInt, const TB: usize>(
     shape: DotShape,
     m: &PackedMatrix,
     rows: Range<usize>,
@@ -1451,7 +1451,7 @@ fn block_scalar<T: ActInt, const TB: usize>(
 ) {
     for (n, o) in rows.zip(out.chunks_exact_mut(TB)) {
         let (w, s) = m.row(n);
-        o.copy_from_slice(&dot_scalar::<T, TB>(shape, w, s, acts));
+        o.copy_from_slice(&dot_portable::<T, TB>(shape, w, s, acts));
     }
 }
 
@@ -1509,7 +1509,7 @@ impl ActInt for i16 {
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
             CpuIsa::Avx512Vnni => unsafe { x86::block_avx512::<TB>(shape, m, rows, acts, out) },
-            _ => block_scalar::<_, TB>(shape, m, rows, acts, out),
+            _ => block_portable::<_, TB>(shape, m, rows, acts, out),
         }
     }
 }
@@ -1562,7 +1562,7 @@ impl ActInt for i8 {
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
             CpuIsa::Avx512Vnni => unsafe { x86::block_a8_avx512::<TB>(shape, m, rows, acts, out) },
-            _ => block_scalar::<_, TB>(shape, m, rows, acts, out),
+            _ => block_portable::<_, TB>(shape, m, rows, acts, out),
         }
     }
 }

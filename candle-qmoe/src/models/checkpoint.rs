@@ -238,8 +238,8 @@ pub fn fingerprint(dir: impl AsRef<Path>) -> crate::Result<String> {
 /// to the last).
 pub const SAMPLED_EXPERTS: usize = 4;
 
-/// Bytes [`fingerprint`] takes from the middle of each sampled expert weight: one page touched
-/// per weight (12 per MoE layer), never the whole tensor.
+/// Bytes [`fingerprint`] takes from the middle of each sampled expert weight (all of a smaller
+/// one): one or two pages touched per weight, never the whole tensor.
 pub const EXPERT_SAMPLE_BYTES: usize = 256;
 
 /// How many decoder layers the checkpoint in `dir` stores tensors of: the largest `i` of a

@@ -22,8 +22,13 @@ use crate::QmoeError;
 
 /// Format marker stored under `format`.
 pub const FORMAT: &str = "candle-qmoe";
-/// Version of the file layout this build reads and writes (2: per-slab checksums).
-pub const FORMAT_VERSION: u32 = 2;
+/// Version of the file layout this build writes (2: per-slab checksums; 3: the fingerprint may
+/// carry a sample of the expert weights, see [`PackMeta::fingerprint`]). It reads 2 and 3; a
+/// build that reads only 2 refuses a version 3 pack by its version.
+pub const FORMAT_VERSION: u32 = 3;
+
+/// The oldest version this build reads.
+const OLDEST_READ_VERSION: u32 = 2;
 
 /// What a `.qmoe` header records.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -313,13 +318,13 @@ impl PackFile {
             return Err(bad(
                 path,
                 "format version 1 has no expert checksums, which this build requires \
-                 (version 2); re-run quantize to re-create the pack",
+                 (version 2 or later); re-run quantize to re-create the pack",
             ));
         }
-        if version != FORMAT_VERSION as usize {
+        if !(OLDEST_READ_VERSION as usize..=FORMAT_VERSION as usize).contains(&version) {
             return Err(bad(
                 path,
-                format!("format version {version}, this build reads version {FORMAT_VERSION}; re-run quantize"),
+                format!("format version {version}, this build reads versions {OLDEST_READ_VERSION} to {FORMAT_VERSION}; re-run quantize"),
             ));
         }
         let layout = ExpertLayout {
@@ -449,6 +454,14 @@ impl PackFile {
     ) -> crate::Result<()> {
         let m = &self.meta;
         if !same_source(&m.fingerprint, fingerprint) {
+            let first = |f: &str| f.split('+').next().unwrap_or_default().to_string();
+            if first(&m.fingerprint) == first(fingerprint) {
+                return Err(self.mismatch(
+                    "the checkpoint's expert weights changed since this pack was made (same \
+                     config.json and routers, other sampled expert bytes)"
+                        .into(),
+                ));
+            }
             let short = |f: &str| f.chars().take(12).collect::<String>();
             return Err(self.mismatch(format!(
                 "its fingerprint {}… is not this checkpoint's {}…",
@@ -573,7 +586,7 @@ mod tests {
         let e = PackFile::open(&cut).unwrap_err().to_string();
         assert!(e.contains("cut.qmoe"), "{e}");
         corrupt(&cut);
-        let needle = b"\"format_version\":\"2\"";
+        let needle = b"\"format_version\":\"3\"";
         let at = bytes
             .windows(needle.len())
             .position(|w| w == needle)
@@ -584,6 +597,12 @@ mod tests {
         std::fs::write(&v7_path, &v7).unwrap();
         let e = corrupt(&v7_path);
         assert!(e.contains("format version 7"), "{e}");
+        // A version 2 pack (written before the expert sample) still reads.
+        let mut v2 = bytes.clone();
+        v2[at + needle.len() - 2] = b'2';
+        let v2_path = dir.join("v2.qmoe");
+        std::fs::write(&v2_path, &v2).unwrap();
+        assert_eq!(PackFile::open(&v2_path).unwrap().meta(), &meta);
         let junk = dir.join("junk.qmoe");
         std::fs::write(&junk, b"not a pack at all").unwrap();
         corrupt(&junk);
