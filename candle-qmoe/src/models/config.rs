@@ -160,9 +160,9 @@ pub struct ModelSpec {
 /// size an allocation.
 pub const MAX_LAYERS: usize = 1 << 12;
 
-/// Most elements of each rotary table (`max_position_embeddings × head_dim / 2`, F32), built in
-/// full when the model is created: 2³¹, i.e. 8 GiB, beyond the 1M-token contexts of released
-/// models with 128-wide heads.
+/// Most elements of each rotary table (`max_position_embeddings × head_dim / 2`, F32), which
+/// grows with the positions used up to that size: 2³¹, i.e. 8 GiB, beyond the 1M-token contexts
+/// of released models with 128-wide heads.
 pub const MAX_ROTARY_ELEMENTS: usize = 1 << 31;
 
 /// Refuses more than [`MAX_LAYERS`] decoder layers.

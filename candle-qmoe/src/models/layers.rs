@@ -68,16 +68,27 @@ impl Module for RmsNorm {
     }
 }
 
-/// Rotary embedding tables (HF rotate-half convention), computed in F32 for every position up
-/// to `max_position_embeddings`, then stored in the model dtype.
-#[derive(Clone, Debug)]
+/// Rotary embedding tables (HF rotate-half convention), computed in F32 and stored in the model
+/// dtype for the positions used so far: [`ROTARY_INITIAL_POSITIONS`] at first, doubled (up to
+/// `max_position_embeddings`) when a call reaches past them. Each position's row is computed on
+/// its own, so the tables' length never changes a value; a model with a 262k-token maximum
+/// running 4k-token contexts keeps 4k rows, not 262k.
+#[derive(Debug)]
 pub struct RotaryEmbedding {
-    cos: Tensor,
-    sin: Tensor,
+    inv_freq: Vec<f32>,
+    max_positions: usize,
+    dtype: DType,
+    device: Device,
+    /// `cos`, `sin [positions, head_dim / 2]`.
+    tables: std::sync::RwLock<(Tensor, Tensor)>,
 }
 
+/// Rows [`RotaryEmbedding`] builds at first.
+pub const ROTARY_INITIAL_POSITIONS: usize = 4096;
+
 impl RotaryEmbedding {
-    /// Builds `cos`/`sin [max_positions, head_dim / 2]` with `inv_freq_i = theta^(-2i / head_dim)`.
+    /// Tables with `inv_freq_i = theta^(-2i / head_dim)` for positions up to `max_positions`,
+    /// the first `min(max_positions, ROTARY_INITIAL_POSITIONS)` built now.
     pub fn new(
         theta: f64,
         head_dim: usize,
@@ -90,36 +101,83 @@ impl RotaryEmbedding {
         let inv_freq: Vec<f32> = (0..half)
             .map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / head_dim as f32))
             .collect();
-        let mut cos = Vec::with_capacity(max_positions * half);
-        let mut sin = Vec::with_capacity(max_positions * half);
-        for p in 0..max_positions {
-            for f in &inv_freq {
+        let tables = Self::build(
+            &inv_freq,
+            max_positions.min(ROTARY_INITIAL_POSITIONS),
+            dtype,
+            device,
+        )?;
+        Ok(Self {
+            inv_freq,
+            max_positions,
+            dtype,
+            device: device.clone(),
+            tables: std::sync::RwLock::new(tables),
+        })
+    }
+
+    /// `cos`/`sin` for positions `0..positions`.
+    fn build(
+        inv_freq: &[f32],
+        positions: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> candle::Result<(Tensor, Tensor)> {
+        let half = inv_freq.len();
+        let mut cos = Vec::with_capacity(positions * half);
+        let mut sin = Vec::with_capacity(positions * half);
+        for p in 0..positions {
+            for f in inv_freq {
                 let angle = p as f32 * f;
                 cos.push(angle.cos());
                 sin.push(angle.sin());
             }
         }
-        let table =
-            |v: Vec<f32>| Tensor::from_vec(v, (max_positions, half), device)?.to_dtype(dtype);
-        Ok(Self {
-            cos: table(cos)?,
-            sin: table(sin)?,
-        })
+        let table = |v: Vec<f32>| Tensor::from_vec(v, (positions, half), device)?.to_dtype(dtype);
+        Ok((table(cos)?, table(sin)?))
+    }
+
+    /// Positions the tables hold now.
+    pub fn positions(&self) -> usize {
+        let tables = self.tables.read().unwrap_or_else(|e| e.into_inner());
+        tables.0.dim(0).unwrap_or(0)
+    }
+
+    /// `cos`/`sin` rows `offset..offset + len`, growing the tables first when they are shorter;
+    /// an error past `max_position_embeddings`.
+    fn rows(&self, offset: usize, len: usize) -> candle::Result<(Tensor, Tensor)> {
+        let end = offset + len;
+        if end > self.max_positions {
+            candle::bail!(
+                "position {} is beyond the model's max_position_embeddings = {}",
+                end - 1,
+                self.max_positions
+            );
+        }
+        if end > self.positions() {
+            let mut tables = self.tables.write().unwrap_or_else(|e| e.into_inner());
+            let have = tables.0.dim(0)?;
+            if end > have {
+                let positions = end.max(2 * have).min(self.max_positions);
+                *tables = Self::build(&self.inv_freq, positions, self.dtype, &self.device)?;
+            }
+        }
+        let tables = self.tables.read().unwrap_or_else(|e| e.into_inner());
+        Ok((
+            tables.0.narrow(0, offset, len)?,
+            tables.1.narrow(0, offset, len)?,
+        ))
     }
 
     /// Rotates `xs [B, heads, S, head_dim]` whose first token sits at position `offset`.
     pub fn apply(&self, xs: &Tensor, offset: usize) -> candle::Result<Tensor> {
-        let seq_len = xs.dim(2)?;
-        let cos = self.cos.narrow(0, offset, seq_len)?;
-        let sin = self.sin.narrow(0, offset, seq_len)?;
+        let (cos, sin) = self.rows(offset, xs.dim(2)?)?;
         candle_nn::rotary_emb::rope(&xs.contiguous()?, &cos, &sin)
     }
 
     /// Rotates token-major `xs [B, S, heads, head_dim]` whose first token sits at `offset`.
     pub fn apply_token_major(&self, xs: &Tensor, offset: usize) -> candle::Result<Tensor> {
-        let seq_len = xs.dim(1)?;
-        let cos = self.cos.narrow(0, offset, seq_len)?;
-        let sin = self.sin.narrow(0, offset, seq_len)?;
+        let (cos, sin) = self.rows(offset, xs.dim(1)?)?;
         candle_nn::rotary_emb::rope_thd(&xs.contiguous()?, &cos, &sin)
     }
 }
@@ -690,5 +748,42 @@ impl DecoderLayer {
     /// The attention block.
     pub fn attention(&self) -> &Attention {
         &self.self_attn
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The tables grow when a position passes them (doubling, capped at the maximum), a row does
+    /// not depend on how long the tables are, and a position past the maximum is an error naming
+    /// it.
+    #[test]
+    fn rotary_tables_grow_with_the_positions_used() {
+        let dev = Device::Cpu;
+        let (d, at) = (64, 5000);
+        let xs = Tensor::arange(0f32, (2 * d) as f32, &dev)
+            .unwrap()
+            .affine(0.01, -0.5)
+            .unwrap()
+            .reshape((1, 2, 1, d))
+            .unwrap();
+        let capped = RotaryEmbedding::new(1e4, d, at + 1, DType::F32, &dev).unwrap();
+        let roomy = RotaryEmbedding::new(1e4, d, 1 << 20, DType::F32, &dev).unwrap();
+        assert_eq!(roomy.positions(), ROTARY_INITIAL_POSITIONS);
+        let a = capped.apply(&xs, at).unwrap();
+        let b = roomy.apply(&xs, at).unwrap();
+        assert_eq!((capped.positions(), roomy.positions()), (at + 1, 8192));
+        let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(flat(&a), flat(&b));
+        // Rotation keeps each pair's norm: the tables hold real angles, not zeros.
+        let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>();
+        assert!((norm(&flat(&a)) - norm(&flat(&xs))).abs() < 1e-3);
+        assert_ne!(flat(&a), flat(&xs));
+        let e = capped.apply(&xs, at + 1).unwrap_err().to_string();
+        assert!(
+            e.contains("position 5001") && e.contains("max_position_embeddings = 5001"),
+            "{e}"
+        );
     }
 }

@@ -6,6 +6,7 @@ use candle::DType;
 use super::bytes::{ByteRange, MIB};
 use super::{moe_layers, plan_err, Component, ComponentBytes, Plan};
 use crate::kernels::attention::KvDtype;
+use crate::models::layers::ROTARY_INITIAL_POSITIONS;
 use crate::models::{FfnSpec, ModelSpec, MoeSpec};
 use crate::pack::{ExpertLayout, GroupSize};
 use crate::residency::Resident;
@@ -201,13 +202,14 @@ impl Default for PlanOptions {
 /// Parameters of everything but the routed experts, split into the projections INT8 dense
 /// weights requantize (attention, dense MLPs, shared-expert MLPs, `lm_head`) and the rest
 /// (embeddings, norms, routers, biases, shared-expert gates and the RoPE tables,
-/// `[max_position_embeddings, head_dim / 2]` each, stored in the compute dtype too).
+/// `[positions, head_dim / 2]` each for the positions a context of `ctx` tokens makes them hold
+/// (see [`rotary_positions`]), stored in the compute dtype too).
 struct NonExpertElements {
     projections: u64,
     rest: u64,
 }
 
-fn non_expert_elements(spec: &ModelSpec) -> NonExpertElements {
+fn non_expert_elements(spec: &ModelSpec, ctx: usize) -> NonExpertElements {
     let (h, a) = (spec.hidden_size, &spec.attention);
     let q = spec.num_heads * spec.head_dim;
     let kv = spec.num_kv_heads * spec.head_dim;
@@ -246,14 +248,23 @@ fn non_expert_elements(spec: &ModelSpec) -> NonExpertElements {
                 embedding
             })
             .saturating_add(h as u64)
-            .saturating_add(product(&[spec.max_position_embeddings, spec.head_dim])),
+            .saturating_add(product(&[rotary_positions(spec, ctx), spec.head_dim])),
     }
+}
+
+/// Most rows the rotary tables grow to for a context of `ctx` tokens: they start at
+/// [`ROTARY_INITIAL_POSITIONS`] and double when a position passes them, so they never hold more
+/// than twice the context (nor more than `max_position_embeddings`).
+fn rotary_positions(spec: &ModelSpec, ctx: usize) -> usize {
+    ROTARY_INITIAL_POSITIONS
+        .max(ctx.saturating_mul(2))
+        .min(spec.max_position_embeddings)
 }
 
 /// Bytes of the non-expert weights: everything in the weights' dtype, or with INT8 dense
 /// weights the projections at 1 byte plus an FP16 scale per 32 and the rest in BF16.
-fn non_expert_bytes(spec: &ModelSpec, opts: &PlanOptions) -> u64 {
-    let e = non_expert_elements(spec);
+fn non_expert_bytes(spec: &ModelSpec, opts: &PlanOptions, ctx: usize) -> u64 {
+    let e = non_expert_elements(spec, ctx);
     if opts.dense_int8 {
         let scales = e
             .projections
@@ -443,7 +454,7 @@ impl Plan {
         };
         let mut components = vec![exact(
             Component::NonExpertWeights,
-            non_expert_bytes(spec, o),
+            non_expert_bytes(spec, o, ctx),
         )];
         if o.target == Target::Cpu {
             components.push(exact(Component::PackSource, pack_source));
