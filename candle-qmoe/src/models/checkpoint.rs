@@ -193,9 +193,10 @@ impl SimpleBackend for NamedCheckpoint {
 /// [`crate::pack::file::checkpoint_fingerprint`]): `config.json`'s bytes and the raw stored bytes of
 /// every MoE layer's router weight, then `+` and a digest of a sample of the expert weights
 /// ([`EXPERT_SAMPLE_BYTES`] from the middle of the gate, up and down weights of
-/// [`SAMPLED_EXPERTS`] experts spread over each MoE layer, the first and the last among them), so a pack is tied to this checkpoint
-/// and no other, and a checkpoint whose experts were re-trained or replaced in place (same
-/// config, same routers) no longer matches the pack made before. A sample, not every byte:
+/// [`SAMPLED_EXPERTS`] experts spread over each MoE layer, the first and the last among them),
+/// so a pack is tied to this checkpoint and no other, and a checkpoint whose experts were
+/// re-trained or replaced in place (same config, same routers) no longer matches the pack made
+/// before. A sample, not every byte:
 /// an edit of a few weights can go unseen; `quantize` again after changing experts.
 pub fn fingerprint(dir: impl AsRef<Path>) -> crate::Result<String> {
     let dir = dir.as_ref();

@@ -154,19 +154,23 @@ impl RotaryEmbedding {
                 self.max_positions
             );
         }
-        if end > self.positions() {
-            let mut tables = self.tables.write().unwrap_or_else(|e| e.into_inner());
-            let have = tables.0.dim(0)?;
-            if end > have {
-                let positions = end.max(2 * have).min(self.max_positions);
-                *tables = Self::build(&self.inv_freq, positions, self.dtype, &self.device)?;
+        let narrow = |(cos, sin): &(Tensor, Tensor)| {
+            Ok((cos.narrow(0, offset, len)?, sin.narrow(0, offset, len)?))
+        };
+        {
+            let tables = self.tables.read().unwrap_or_else(|e| e.into_inner());
+            if end <= tables.0.dim(0)? {
+                return narrow(&tables);
             }
         }
-        let tables = self.tables.read().unwrap_or_else(|e| e.into_inner());
-        Ok((
-            tables.0.narrow(0, offset, len)?,
-            tables.1.narrow(0, offset, len)?,
-        ))
+        let mut tables = self.tables.write().unwrap_or_else(|e| e.into_inner());
+        // Another caller may have grown them between the two locks.
+        let have = tables.0.dim(0)?;
+        if end > have {
+            let positions = end.max(2 * have).min(self.max_positions);
+            *tables = Self::build(&self.inv_freq, positions, self.dtype, &self.device)?;
+        }
+        narrow(&tables)
     }
 
     /// Rotates `xs [B, heads, S, head_dim]` whose first token sits at position `offset`.

@@ -64,17 +64,37 @@ pub fn checkpoint_fingerprint<'a>(
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Whether a pack's recorded fingerprint and a checkpoint's describe the same source: equal
-/// first parts (config and routers), and equal expert samples when both have one (the part after
-/// `+`; packs written before the sample existed record only the first part, and stay usable).
-fn same_source(recorded: &str, checkpoint: &str) -> bool {
-    let mut recorded = recorded.split('+');
-    let mut checkpoint = checkpoint.split('+');
-    recorded.next() == checkpoint.next()
-        && match (recorded.next(), checkpoint.next()) {
-            (Some(a), Some(b)) => a == b,
-            _ => true,
-        }
+/// A fingerprint's parts: the digest of config and routers, and the expert sample's after `+`
+/// when it has one (packs written before the sample existed record only the first).
+fn fingerprint_parts(fingerprint: &str) -> (&str, Option<&str>) {
+    match fingerprint.split_once('+') {
+        Some((source, sample)) => (source, Some(sample)),
+        None => (fingerprint, None),
+    }
+}
+
+/// Why a pack that recorded the fingerprint `recorded` cannot serve a checkpoint whose
+/// fingerprint is `checkpoint`; `None` when both describe the same source: equal first parts,
+/// and equal expert samples when both have one.
+fn source_mismatch(recorded: &str, checkpoint: &str) -> Option<String> {
+    let ((source, sample), (now, now_sample)) =
+        (fingerprint_parts(recorded), fingerprint_parts(checkpoint));
+    if source != now {
+        let short = |f: &str| f.chars().take(12).collect::<String>();
+        return Some(format!(
+            "its fingerprint {}… is not this checkpoint's {}…",
+            short(recorded),
+            short(checkpoint)
+        ));
+    }
+    match (sample, now_sample) {
+        (Some(a), Some(b)) if a != b => Some(
+            "the checkpoint's expert weights changed since this pack was made (same \
+             config.json and routers, other sampled expert bytes)"
+                .into(),
+        ),
+        _ => None,
+    }
 }
 
 /// A memory-mapped `.qmoe` file.
@@ -346,7 +366,8 @@ impl PackFile {
             fingerprint: get("fingerprint")?,
         };
         let is_hex = |f: &str| f.len() == 64 && f.bytes().all(|b| b.is_ascii_hexdigit());
-        if !meta.fingerprint.split('+').all(is_hex) || meta.fingerprint.split('+').count() > 2 {
+        let (source, sample) = fingerprint_parts(&meta.fingerprint);
+        if !is_hex(source) || !sample.is_none_or(is_hex) {
             return Err(bad(
                 path,
                 "metadata `fingerprint` is not 64 hexadecimal digits (or two such, joined by `+`)",
@@ -453,21 +474,8 @@ impl PackFile {
         num_experts: usize,
     ) -> crate::Result<()> {
         let m = &self.meta;
-        if !same_source(&m.fingerprint, fingerprint) {
-            let first = |f: &str| f.split('+').next().unwrap_or_default().to_string();
-            if first(&m.fingerprint) == first(fingerprint) {
-                return Err(self.mismatch(
-                    "the checkpoint's expert weights changed since this pack was made (same \
-                     config.json and routers, other sampled expert bytes)"
-                        .into(),
-                ));
-            }
-            let short = |f: &str| f.chars().take(12).collect::<String>();
-            return Err(self.mismatch(format!(
-                "its fingerprint {}… is not this checkpoint's {}…",
-                short(&m.fingerprint),
-                short(fingerprint)
-            )));
+        if let Some(reason) = source_mismatch(&m.fingerprint, fingerprint) {
+            return Err(self.mismatch(reason));
         }
         if (m.layout.hidden, m.layout.intermediate, m.num_experts)
             != (layout_hidden, layout_intermediate, num_experts)
@@ -535,6 +543,7 @@ mod tests {
     #[test]
     fn expert_samples_decide_only_when_both_sides_have_one() {
         let (a, b, c) = ("a".repeat(64), "b".repeat(64), "c".repeat(64));
+        let same_source = |recorded: &str, now: &str| source_mismatch(recorded, now).is_none();
         assert!(same_source(&format!("{a}+{b}"), &format!("{a}+{b}")));
         assert!(!same_source(&format!("{a}+{b}"), &format!("{a}+{c}")));
         assert!(!same_source(&format!("{a}+{b}"), &format!("{c}+{b}")));
