@@ -282,6 +282,30 @@ impl QmoeError {
     }
 }
 
+/// `err`'s message without the backtraces Candle attaches when `RUST_BACKTRACE` is set: for
+/// messages that travel on (an HTTP response, the reason of another error), where a backtrace
+/// would be noise or would leak the host's paths. A context or path comes before the message it
+/// wraps, on the same line (`"step: boom"`).
+pub fn message_without_backtrace(err: &candle::Error) -> String {
+    match err {
+        candle::Error::WithBacktrace { inner, .. } => message_without_backtrace(inner),
+        candle::Error::Context { inner, context } => {
+            format!("{context}: {}", message_without_backtrace(inner))
+        }
+        candle::Error::WithPath { inner, path } => {
+            format!("{}: {}", path.display(), message_without_backtrace(inner))
+        }
+        candle::Error::WrappedContext { wrapped, context } => {
+            let inner = match wrapped.downcast_ref::<candle::Error>() {
+                Some(e) => message_without_backtrace(e),
+                None => wrapped.to_string(),
+            };
+            format!("{context}: {inner}")
+        }
+        e => e.to_string(),
+    }
+}
+
 /// `candle::Error::Wrapped` holds a `dyn Display`, which cannot be downcast, so a `QmoeError`
 /// travels as `candle::Error::Io` over [`std::io::Error::other`]: its message is the
 /// `QmoeError`'s unchanged, and [`QmoeError::find`] recovers it. `QmoeError::Candle(e)` gives
@@ -382,5 +406,30 @@ mod tests {
             QmoeError::find(&e),
             Some(QmoeError::ShapeMismatch { .. })
         ));
+    }
+
+    #[test]
+    fn messages_without_backtrace_keep_every_context() {
+        use candle::Context;
+        let boom = || candle::Error::Msg("boom".into());
+        let e = candle::Error::WithBacktrace {
+            inner: Box::new(boom().context("step")),
+            backtrace: Box::new(std::backtrace::Backtrace::force_capture()),
+        };
+        assert_eq!(message_without_backtrace(&e), "step: boom");
+        let e = boom().bt().with_path("model.safetensors");
+        assert_eq!(message_without_backtrace(&e), "model.safetensors: boom");
+        let r: candle::Result<()> = Err(candle::Error::WithBacktrace {
+            inner: Box::new(boom()),
+            backtrace: Box::new(std::backtrace::Backtrace::force_capture()),
+        });
+        let e = r.context("loading").unwrap_err();
+        assert_eq!(message_without_backtrace(&e), "loading: boom");
+        let r: std::result::Result<(), QmoeError> = Err(shape());
+        let e = r.context("reading").unwrap_err();
+        assert_eq!(
+            message_without_backtrace(&e),
+            format!("reading: {}", shape())
+        );
     }
 }

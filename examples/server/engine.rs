@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle::Tensor;
+use candle_qmoe::error::message_without_backtrace;
 use candle_qmoe::generation::check_logits;
 use candle_qmoe::kernels::cpu::W4A8_MIN_TOKENS;
 use candle_qmoe::models::{ExpertTraffic, MoeForCausalLm, SequenceCache, SequenceInput};
@@ -157,18 +158,6 @@ impl StopText {
     }
 }
 
-/// `e` as a client may see it: without the backtraces that candle adds with `RUST_BACKTRACE`.
-fn message(e: &candle::Error) -> String {
-    match e {
-        candle::Error::WithBacktrace { inner, .. } => message(inner),
-        candle::Error::Context { inner, context } => format!("{context}: {}", message(inner)),
-        candle::Error::WithPath { inner, path } => {
-            format!("{}: {}", path.display(), message(inner))
-        }
-        e => e.to_string(),
-    }
-}
-
 /// A request in a slot.
 struct Slot<'t> {
     request: Request,
@@ -248,8 +237,11 @@ impl Slot<'_> {
         config: &EngineConfig,
     ) -> Result<Option<FinishReason>, String> {
         // `tokens` holds the prompt and every token generated: the logits are of its last.
-        check_logits(logits, self.tokens.len() - 1).map_err(|e| message(&e))?;
-        let token = self.sampler.sample(logits).map_err(|e| message(&e))?;
+        check_logits(logits, self.tokens.len() - 1).map_err(|e| message_without_backtrace(&e))?;
+        let token = self
+            .sampler
+            .sample(logits)
+            .map_err(|e| message_without_backtrace(&e))?;
         self.tokens.push(token);
         if config.stop_ids.contains(&token) {
             return Ok(Some(FinishReason::Stop));
@@ -474,10 +466,12 @@ impl<'t> Engine<'t> {
                         tokens: item.tokens,
                     }];
                     let logits = self.model.forward_sequences(&mut one);
-                    logits.map(|mut l| l.remove(0)).map_err(|e| message(&e))
+                    logits
+                        .map(|mut l| l.remove(0))
+                        .map_err(|e| message_without_backtrace(&e))
                 })
                 .collect(),
-            Err(e) => vec![Err(message(&e))],
+            Err(e) => vec![Err(message_without_backtrace(&e))],
         }
     }
 
@@ -511,15 +505,6 @@ mod tests {
         assert_eq!(t.flush(), "E");
         let mut none = StopText::new(&[]);
         assert_eq!(none.push("E"), ("E".into(), false));
-    }
-
-    #[test]
-    fn messages_leave_backtraces_out() {
-        let e = candle::Error::WithBacktrace {
-            inner: Box::new(candle::Error::Msg("boom".into()).context("step")),
-            backtrace: Box::new(std::backtrace::Backtrace::force_capture()),
-        };
-        assert_eq!(message(&e), "step: boom");
     }
 
     struct Harness {

@@ -13,6 +13,7 @@ use safetensors::Dtype;
 
 use super::config::ModelConfig;
 use super::AnyConfig;
+use crate::error::message_without_backtrace;
 use crate::pack::file::checkpoint_fingerprint;
 use crate::QmoeError;
 
@@ -146,13 +147,9 @@ impl NamedCheckpoint {
     /// (without a backtrace: the new error captures its own).
     fn named<T>(&self, read: candle::Result<T>) -> candle::Result<T> {
         read.map_err(|e| {
-            let reason = match e {
-                candle::Error::WithBacktrace { inner, .. } => inner.to_string(),
-                e => e.to_string(),
-            };
             QmoeError::InvalidCheckpoint {
                 dir: self.dir.clone(),
-                reason,
+                reason: message_without_backtrace(&e),
             }
             .into()
         })
