@@ -22,6 +22,13 @@ struct State {
     closed: bool,
 }
 
+impl State {
+    /// Drops the requests whose client went away.
+    fn drop_abandoned(&mut self) {
+        self.waiting.retain(|r| !r.events.is_closed());
+    }
+}
+
 /// Requests waiting for a slot, shared by the HTTP handlers and the engine.
 pub struct Queue {
     capacity: usize,
@@ -42,7 +49,7 @@ impl Queue {
     /// The state, without the requests whose client went away.
     fn live(&self) -> MutexGuard<'_, State> {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        state.waiting.retain(|r| !r.events.is_closed());
+        state.drop_abandoned();
         state
     }
 
@@ -80,7 +87,7 @@ impl Queue {
                 return None;
             }
             state = self.changed.wait(state).unwrap_or_else(|e| e.into_inner());
-            state.waiting.retain(|r| !r.events.is_closed());
+            state.drop_abandoned();
         }
     }
 
