@@ -28,6 +28,10 @@ import gguf
 EXPERT_GGUF = re.compile(r"\.ffn_(gate|up|down|gate_up)_exps\.")
 EXPERT_HF = re.compile(r"\.mlp\.experts\.\d+\.")
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
+# The projections `--dense-weights int8` requantizes (attention, dense and shared-expert MLPs;
+# lm_head by name), and its group of columns per F16 scale (kernels::dense::INT8_GROUP).
+INT8_PROJECTION = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
+INT8_GROUP = 32
 SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "U32": 4,
                      "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
@@ -116,14 +120,30 @@ def gguf_bytes_per_token(path: Path) -> dict:
 
 def ours_bytes_per_token(model_dir: Path, pack: Path | None, run: dict) -> dict:
     """Weight bytes one decoded token reads in our run: the checkpoint's non-expert weights at
-    the run's compute dtype, k/E of the experts (the pack's slabs, or the dense experts at the
-    run's expert dtype)."""
+    the run's compute dtype (its projections in INT8 with `--dense-weights int8`), k/E of the
+    experts (the pack's slabs, or the dense experts at the run's expert dtype)."""
     config = json.loads((model_dir / "config.json").read_text())
     experts = config.get("num_experts") or config.get("num_local_experts")
     top_k = config["num_experts_per_tok"]
     backend = run.get("backend") or {}
     compute = DTYPE_BYTES[backend.get("dtype", "f32")]
     expert_kind = backend.get("experts", "int4")
+    int8 = run.get("dense_weights") == "int8"
+    activations = DTYPE_BYTES.get(run.get("activations"), compute)
+
+    def matrix(name: str, shape: list[int]) -> int:
+        """A weight's bytes: norms in the activations' dtype (RmsNorm keeps them so); with
+        `--dense-weights int8` the projections in INT8 rows padded to whole groups of INT8_GROUP
+        columns with an F16 scale per group (routers keep the compute dtype); otherwise the
+        compute dtype."""
+        if name.endswith("norm.weight"):
+            return numel(shape) * activations
+        if int8 and (name == "lm_head.weight" or INT8_PROJECTION.search(name)):
+            rows, cols = shape
+            padded = -(-cols // INT8_GROUP) * INT8_GROUP
+            return rows * padded + 2 * rows * (padded // INT8_GROUP)
+        return numel(shape) * compute
+
     parts = {"experts": 0.0, "non_expert": 0, "lm_head": 0, "embedding_row": 0.0}
     tensors = checkpoint_tensors(model_dir)
     for name, t in tensors.items():
@@ -134,11 +154,11 @@ def ours_bytes_per_token(model_dir: Path, pack: Path | None, run: dict) -> dict:
         elif name == "model.embed_tokens.weight":
             parts["embedding_row"] = t["shape"][1] * compute
             if config.get("tie_word_embeddings") and "lm_head.weight" not in tensors:
-                parts["lm_head"] = n * compute
+                parts["lm_head"] = matrix("lm_head.weight", t["shape"])
         elif name == "lm_head.weight":
-            parts["lm_head"] = n * compute
+            parts["lm_head"] = matrix(name, t["shape"])
         else:
-            parts["non_expert"] += n * compute
+            parts["non_expert"] += matrix(name, t["shape"])
     if expert_kind == "int4":
         if pack is None:
             raise SystemExit("an INT4 run needs its --pack to count the expert bytes")
