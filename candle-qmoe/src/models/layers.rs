@@ -45,9 +45,7 @@ impl RmsNorm {
             eps,
         })
     }
-}
 
-impl RmsNorm {
     /// Bytes of the weight.
     pub fn weight_bytes(&self) -> usize {
         self.weight.elem_count() * self.weight.dtype().size_in_bytes()
