@@ -387,7 +387,7 @@ impl ModelArgs {
                 format!("{:?}", self.experts).to_lowercase()
             );
         }
-        let max = self.config()?.common().max_position_embeddings;
+        let max = self.config()?.spec()?.max_position_embeddings;
         if let Some(ctx) = self.ctx.filter(|c| !(2..=max).contains(c)) {
             bail!("--ctx {ctx} must be in 2..={max} (the model's maximum context, max_position_embeddings)");
         }

@@ -4,6 +4,7 @@
 
 use candle::DType;
 use candle_qmoe::kernels::cpu::DecodeActivations;
+use candle_qmoe::models::ModelConfig;
 use candle_qmoe::residency::ResidencyStats;
 use candle_qmoe_suite::model::ModelArgs;
 use candle_qmoe_suite::perf::{
@@ -308,7 +309,8 @@ fn model_flags_beyond_the_model_are_refused_before_loading() {
         .model
         .config()
         .unwrap()
-        .common()
+        .spec()
+        .unwrap()
         .max_position_embeddings;
     check(&[]).unwrap();
     check(&["--ctx", "2"]).unwrap();

@@ -132,6 +132,29 @@ dense_parity_tests! {
     mixtral_dense_f32_matches_transformers: mixtral on "mixtral-tiny";
 }
 
+/// Configs that spell the fixtures' settings the ways transformers 5 reads them still match the
+/// goldens: Mixtral without `rope_theta` (its default base is 10⁶, the fixture's), a base inside
+/// `rope_parameters` or a `default` `rope_scaling` winning over a wrong top-level `rope_theta`,
+/// and `tie_word_embeddings: true` beside a stored `lm_head.weight` (which is used, untied).
+#[test]
+fn config_spellings_match_transformers_on_the_goldens() {
+    let mixtral = edit_config("mixtral-tiny", |v| {
+        v.as_object_mut().unwrap().remove("rope_theta");
+    });
+    dense_parity("mixtral-tiny", &AnyConfig::from_json_str(&mixtral).unwrap());
+    for name in ["qwen2moe-tiny", "qwen3moe-tiny"] {
+        for key in ["rope_parameters", "rope_scaling"] {
+            let json = edit_config(name, |v| {
+                v["rope_theta"] = 10_000.0.into();
+                v[key] = json!({"rope_type": "default", "rope_theta": 1e6});
+            });
+            dense_parity(name, &AnyConfig::from_json_str(&json).unwrap());
+        }
+    }
+    let json = edit_config("olmoe-tiny", |v| v["tie_word_embeddings"] = true.into());
+    dense_parity("olmoe-tiny", &AnyConfig::from_json_str(&json).unwrap());
+}
+
 /// Teacher-forced metrics over the prompt and the golden greedy continuation, greedy identity and
 /// router agreement (`candle_qmoe::parity`, the metrics of the `parity` example).
 fn fidelity(model: &mut MoeForCausalLm, golden: &Golden, p: usize) -> PromptParity {
@@ -503,12 +526,21 @@ fn inconsistent_configs_are_refused() {
         }));
         refused(e, "use_sliding_window", "true");
     }
-    // Mixtral has no switch: a sliding window is on whenever it is set.
+    // Mixtral has no switch: a sliding window is on whenever it is set, and refused unless it
+    // spans max_position_embeddings (512 here), which is full attention.
     let e = spec_error(&edit_config("mixtral-tiny", |v| {
-        v["sliding_window"] = 4096.into()
+        v["sliding_window"] = 256.into()
     }));
-    let msg = refused(e, "sliding_window", "4096");
+    let msg = refused(e, "sliding_window", "256");
     assert!(msg.contains("only full attention"), "{msg}");
+    let full = spec_ok(&config_json("mixtral-tiny"));
+    for window in [512, 4096] {
+        let json = edit_config("mixtral-tiny", |v| v["sliding_window"] = window.into());
+        assert_eq!(spec_ok(&json), full, "sliding_window {window}");
+    }
+    // `swish` is SiLU's other name in transformers.
+    let json = edit_config("mixtral-tiny", |v| v["hidden_act"] = "swish".into());
+    assert_eq!(spec_ok(&json), full);
 }
 
 #[test]
@@ -520,11 +552,55 @@ fn config_spellings_and_defaults() {
             v["rope_parameters"] = json!({"rope_theta": 5000.0, "rope_type": "default"});
         });
         assert_eq!(spec_ok(&json).rope_theta, 5000.0);
-        // Absent num_key_value_heads = num_attention_heads; GQA otherwise.
+        // As transformers 5: a base inside `rope_parameters` wins over the top-level one, and
+        // a set `rope_scaling` replaces `rope_parameters`.
+        let json = edit_config(name, |v| {
+            v["rope_theta"] = 1e6.into();
+            v["rope_parameters"] = json!({"rope_theta": 100.0, "rope_type": "default"});
+        });
+        assert_eq!(spec_ok(&json).rope_theta, 100.0, "{name}");
+        let json = edit_config(name, |v| {
+            v["rope_theta"] = 1e6.into();
+            v["rope_parameters"] = json!({"rope_theta": 100.0, "rope_type": "default"});
+            v["rope_scaling"] = json!({"rope_type": "default", "rope_theta": 250.0});
+        });
+        assert_eq!(spec_ok(&json).rope_theta, 250.0, "{name}");
+        let json = edit_config(name, |v| {
+            v["rope_theta"] = 1e6.into();
+            v["rope_scaling"] = json!({"rope_type": "default"});
+        });
+        assert_eq!(spec_ok(&json).rope_theta, 1e6, "{name}");
+        // Absent fields take the family's transformers defaults: the RoPE base (Mixtral 10⁶,
+        // the others 10⁴), max_position_embeddings, and num_key_value_heads (OLMoE: the heads;
+        // Qwen2-MoE 16, Qwen3-MoE 4, Mixtral 8, refused by name where they do not divide the
+        // fixtures' 4 heads).
+        let (theta, max_positions, kv) = match name {
+            "olmoe-tiny" => (1e4, 4096, 4),
+            "qwen2moe-tiny" => (1e4, 32_768, 16),
+            "qwen3moe-tiny" => (1e4, 32_768, 4),
+            "mixtral-tiny" => (1e6, 131_072, 8),
+            other => panic!("no defaults listed for {other}"),
+        };
+        let json = edit_config(name, |v| {
+            let o = v.as_object_mut().unwrap();
+            o.remove("rope_theta");
+            o.remove("max_position_embeddings");
+        });
+        let spec = spec_ok(&json);
+        assert_eq!(
+            (spec.rope_theta, spec.max_position_embeddings),
+            (theta, max_positions),
+            "{name}"
+        );
         let json = edit_config(name, |v| {
             v.as_object_mut().unwrap().remove("num_key_value_heads");
         });
-        assert_eq!(spec_ok(&json).num_kv_heads, 4);
+        if kv <= 4 {
+            assert_eq!(spec_ok(&json).num_kv_heads, kv, "{name}");
+        } else {
+            let e = refused(spec_error(&json), "num_key_value_heads", &kv.to_string());
+            assert!(e.contains("transformers' default"), "{e}");
+        }
         let json = edit_config(name, |v| v["num_key_value_heads"] = 2.into());
         assert_eq!(spec_ok(&json).num_kv_heads, 2);
         // The expert count as `num_experts` (hub configs) or `num_local_experts` (Mixtral,
@@ -676,6 +752,20 @@ fn tied_embeddings_share_the_head() {
             &copy.forward_all(&ids, 0).unwrap(),
         );
         assert_eq!(d, 0.0, "{name}");
+        // A checkpoint that stores its own, different `lm_head.weight` beside
+        // `tie_word_embeddings: true` uses it, as transformers 5 does (it unties them).
+        let mut ts = fixture_tensors(name);
+        let own_head = (ts["model.embed_tokens.weight"].clone() * 0.5).unwrap();
+        ts.insert("lm_head.weight".into(), own_head);
+        let vb = VarBuilder::from_tensors(ts.clone(), DType::F32, &Device::Cpu);
+        let mut stored = MoeForCausalLm::new(&untied, vb, &ExpertsBackend::Dense).unwrap();
+        let vb = VarBuilder::from_tensors(ts, DType::F32, &Device::Cpu);
+        let mut tied_but_stored = MoeForCausalLm::new(&tied, vb, &ExpertsBackend::Dense).unwrap();
+        let d = max_abs_diff(
+            &tied_but_stored.forward_all(&ids, 0).unwrap(),
+            &stored.forward_all(&ids, 0).unwrap(),
+        );
+        assert_eq!(d, 0.0, "{name}");
     }
 }
 
@@ -686,6 +776,14 @@ fn prompt_longer_than_context_is_refused() {
         let cfg = AnyConfig::from_json_str(&json).unwrap();
         let mut model = load(name, &cfg, &ExpertsBackend::Dense);
         let long: Vec<u32> = (0..17).collect();
+        // Token ids that are not integers are refused, not truncated.
+        let floats = Tensor::new(&[[1.7f32, 2.9]], &Device::Cpu).unwrap();
+        let e = model_error(model.forward(&floats, 0));
+        assert!(
+            matches!(&e, QmoeError::InvalidArgument { argument, reason }
+                if argument == "input_ids" && reason.contains("F32")),
+            "{e}"
+        );
         let e = model_error(model.forward(&row_tensor(&long), 0));
         assert!(
             matches!(

@@ -239,3 +239,105 @@ fn fingerprint_and_in_memory_packs_report_bad_input() {
     invalid(PackFile::from_layers(other, [(0, layer)]), "header says");
     invalid(PackFile::from_layers(meta, []), "at least one layer");
 }
+
+/// What `PackFile::open` would refuse is refused when written, before any byte: no layer, a
+/// layer given twice, a fingerprint of another form; a `PackWriter` refuses layers out of the
+/// header's order and a finish before every layer. A layer's experts out of range are errors.
+#[test]
+fn packs_that_could_not_be_opened_are_not_written() {
+    let dir = temp_dir("write-refusals");
+    let pack = quantize(&fixture_dir("olmoe-tiny"), 128);
+    let meta: PackMeta = pack.meta().clone();
+    let layer: LayerPack = pack.layer(0).unwrap();
+    let path = dir.join("p.qmoe");
+    let refused = |r: candle_qmoe::Result<()>, what: &str| {
+        match r {
+            Err(QmoeError::InvalidPack { reason }) => assert!(reason.contains(what), "{reason}"),
+            Err(e) => panic!("{e}"),
+            Ok(()) => panic!("accepted"),
+        }
+        assert!(!path.exists(), "nothing written");
+    };
+    refused(PackFile::write(&path, &meta, &[]), "at least one layer");
+    let twice = [(0, layer.clone()), (0, layer.clone())];
+    refused(
+        PackFile::write(&path, &meta, &twice),
+        "layer 0 is given twice",
+    );
+    let handmade = PackMeta {
+        fingerprint: "my-model-v1".into(),
+        ..meta.clone()
+    };
+    refused(
+        PackFile::write(&path, &handmade, &[(0, layer.clone())]),
+        "my-model-v1",
+    );
+    let mut out = candle_qmoe::pack::PackWriter::create(&path, &meta, [0, 1]).unwrap();
+    refused(
+        out.write_layer(1, &layer),
+        "layer 1 written where layer 0 comes next",
+    );
+    out.write_layer(0, &layer).unwrap();
+    refused(out.finish(), "finished after 1 of the header's 2 layers");
+    // The same layer twice in a row, and one past the header's list.
+    let mut out = candle_qmoe::pack::PackWriter::create(&path, &meta, [0]).unwrap();
+    out.write_layer(0, &layer).unwrap();
+    refused(
+        out.write_layer(0, &layer),
+        "after every layer of the header",
+    );
+    out.finish().unwrap();
+    assert!(PackFile::open(&path).is_ok());
+
+    let n = layer.num_experts();
+    for e in [n, n + 91] {
+        let out_of_range = |r: candle_qmoe::Result<()>| match r {
+            Err(QmoeError::InvalidArgument { reason, .. }) => {
+                assert!(
+                    reason.contains(&format!("expert {e} is out of range")),
+                    "{reason}"
+                )
+            }
+            other => panic!("{other:?}"),
+        };
+        out_of_range(layer.verified_slab(e).map(|_| ()));
+        out_of_range(layer.verify_experts([0, e]));
+        assert!(!layer.is_verified(e));
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Expert weights that are not floating point are refused by tensor name when quantized.
+#[test]
+fn integer_expert_weights_are_not_quantized() {
+    use candle_qmoe::pack::{DenseExpert, ExpertLayout, ExpertNames, ScaleSearch};
+    let dev = Device::Cpu;
+    let (h, i) = (64, 32);
+    let expert = |dtype| DenseExpert {
+        gate: Tensor::ones((i, h), dtype, &dev).unwrap(),
+        up: Tensor::ones((i, h), dtype, &dev).unwrap(),
+        down: Tensor::ones((h, i), dtype, &dev).unwrap(),
+    };
+    let layout = ExpertLayout {
+        hidden: h,
+        intermediate: i,
+        group_size: GroupSize::new(32).unwrap(),
+    };
+    let r = LayerPack::quantize(
+        "block",
+        ExpertNames::PROJ,
+        &[expert(DType::F32), expert(DType::U32)],
+        layout,
+        ScaleSearch::Mse,
+    );
+    match r {
+        Err(QmoeError::InvalidArgument { argument, reason }) => {
+            assert!(
+                argument.contains("block.experts.1.gate_proj.weight"),
+                "{argument}"
+            );
+            assert!(reason.contains("U32"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+}

@@ -207,3 +207,98 @@ fn bad_block_configs_are_clear_errors() {
         "{e}"
     );
 }
+
+/// `QmoeError::InvalidArgument` naming `argument`, its reason containing `what`.
+fn invalid(e: &candle::Error, argument: &str, what: &str) -> bool {
+    matches!(QmoeError::find(e), Some(QmoeError::InvalidArgument { argument: a, reason })
+        if a == argument && reason.contains(what))
+}
+
+/// What a hurried caller gets wrong is refused by name, never computed: integer activations or
+/// weights, float expert ids, inputs of the wrong rank, experts of mixed dtypes, a router that is
+/// not 2-D, a shared expert of another hidden size, a router of another dtype than the input;
+/// a non-contiguous input is computed like its contiguous copy.
+#[test]
+fn misused_blocks_and_calls_are_refused_by_name() {
+    let dev = Device::Cpu;
+    let (moe, xs, _) = block(2, true, false, 7);
+    let mut rng = Rng::new(3);
+    let experts = random_experts(&mut rng, E, H, I);
+    let dense = DenseExperts::new(experts.clone()).unwrap();
+    let ids = Tensor::new(&[[0u32, 1]; 5], &dev).unwrap();
+    let w = Tensor::new(&[[0.5f32, 0.5]; 5], &dev).unwrap();
+    use candle_qmoe::RoutedExperts;
+    let call = |xs: &Tensor, ids: &Tensor, w: &Tensor| dense.forward(xs, ids, w).unwrap_err();
+    let e = call(&xs, &ids.to_dtype(DType::F32).unwrap(), &w);
+    assert!(invalid(&e, "expert_ids", "integer"), "{e}");
+    let e = call(&xs.to_dtype(DType::U32).unwrap(), &ids, &w);
+    assert!(invalid(&e, "xs", "floating point"), "{e}");
+    let e = call(&xs, &ids, &w.to_dtype(DType::U8).unwrap());
+    assert!(invalid(&e, "weights", "floating point"), "{e}");
+    let e = call(&xs.unsqueeze(0).unwrap(), &ids, &w);
+    assert!(invalid(&e, "xs", "got shape [1, 5, 48]"), "{e}");
+    // A view that is not contiguous gives the contiguous copy's result.
+    let wide = Tensor::cat(&[&xs, &xs], 1)
+        .unwrap()
+        .narrow(1, 0, H)
+        .unwrap();
+    assert!(!wide.is_contiguous());
+    let a = dense.forward(&wide, &ids, &w).unwrap();
+    let b = dense.forward(&xs, &ids, &w).unwrap();
+    assert_eq!(to_f64(&a), to_f64(&b));
+    assert_eq!(
+        to_f64(&moe.forward(&wide).unwrap()),
+        to_f64(&moe.forward(&xs).unwrap())
+    );
+
+    let mut mixed = experts.clone();
+    mixed[3].up = mixed[3].up.to_dtype(DType::BF16).unwrap();
+    let e = DenseExperts::new(mixed).unwrap_err();
+    assert!(invalid(&e, "expert 3 up projection", "one dtype"), "{e}");
+    let mut integer = experts.clone();
+    integer[0].gate = integer[0].gate.to_dtype(DType::U32).unwrap();
+    let e = DenseExperts::new(integer).unwrap_err();
+    assert!(invalid(&e, "expert 0 gate projection", "U32"), "{e}");
+
+    let router_3d =
+        candle_nn::Linear::new(tensor(&mut rng, (E, H), 0.1).unsqueeze(0).unwrap(), None);
+    let e = SparseMoe::new(router_3d, Arc::new(dense.clone()), 2, false, None).unwrap_err();
+    assert!(
+        matches!(QmoeError::find(&e), Some(QmoeError::ShapeMismatch { got, .. }) if got == &[1, E, H]),
+        "{e}"
+    );
+    let mut vars = HashMap::new();
+    vars.insert(
+        "shared_expert.gate_proj.weight".to_string(),
+        tensor(&mut rng, (I, H / 2), 0.05),
+    );
+    vars.insert(
+        "shared_expert.up_proj.weight".into(),
+        tensor(&mut rng, (I, H / 2), 0.05),
+    );
+    vars.insert(
+        "shared_expert.down_proj.weight".into(),
+        tensor(&mut rng, (H / 2, I), 0.05),
+    );
+    vars.insert(
+        "shared_expert_gate.weight".into(),
+        tensor(&mut rng, (1, H / 2), 0.3),
+    );
+    let vb = VarBuilder::from_tensors(vars, DType::F32, &dev);
+    let narrow_shared = SharedExpert::new(H / 2, I, vb).unwrap();
+    let router = candle_nn::Linear::new(tensor(&mut rng, (E, H), 0.1), None);
+    let e = SparseMoe::new(router, Arc::new(dense), 2, false, Some(narrow_shared)).unwrap_err();
+    assert!(
+        matches!(QmoeError::find(&e), Some(QmoeError::ShapeMismatch { tensor, got, .. })
+            if tensor.contains("shared") && got == &[1, H / 2]),
+        "{e}"
+    );
+    // An F32 router given F16 activations: the router's linear layer names both dtypes.
+    let e = moe.forward(&xs.to_dtype(DType::F16).unwrap()).unwrap_err();
+    assert!(invalid(&e, "input of a linear layer", "F16"), "{e}");
+    let e = moe.forward(&tensor(&mut rng, (5, H + 2), 1.0)).unwrap_err();
+    assert!(
+        invalid(&e, "input of a linear layer", "last dimension must be 48"),
+        "{e}"
+    );
+}

@@ -14,8 +14,9 @@ use crate::QmoeError;
 
 /// Computes `Σ_j weights[t, j] · expert_{ids[t, j]}(xs[t])` for every token.
 ///
-/// `xs` is `[T, H]`, `expert_ids` is `[T, k]` (`u32`), `weights` is `[T, k]` (`f32`); the result
-/// is `[T, H]` in the dtype of `xs`. [`crate::SparseMoe`] does the routing and calls this.
+/// `xs` is `[T, H]` (F16, BF16, F32 or F64), `expert_ids` is `[T, k]` (any integer dtype, e.g.
+/// `u32`), `weights` is `[T, k]` (floating point); the result is `[T, H]` in the dtype of `xs`.
+/// Every backend refuses other ranks, dtypes and shapes with a [`QmoeError`] naming the tensor. [`crate::SparseMoe`] does the routing and calls this.
 pub trait RoutedExperts: Send + Sync {
     /// Number of routed experts.
     fn num_experts(&self) -> usize;
@@ -38,15 +39,58 @@ pub trait RoutedExperts: Send + Sync {
     }
 }
 
-/// Checks the shapes of a routed call and returns `(tokens, top_k)`.
+/// Whether tensors of `dtype` can be computed with: F16, BF16, F32 or F64 (not integers, nor the
+/// 8-, 6- and 4-bit float storage types).
+pub(crate) fn is_compute_float(dtype: DType) -> bool {
+    matches!(dtype, DType::F16 | DType::BF16 | DType::F32 | DType::F64)
+}
+
+/// Checks the ranks, dtypes and shapes of a routed call and returns `(tokens, top_k)`:
+/// `xs [T, H]` and `weights [T, k]` floating point (F16, BF16, F32 or F64), `expert_ids [T, k]`
+/// integer.
 pub(crate) fn check_call(
     xs: &Tensor,
     expert_ids: &Tensor,
     weights: &Tensor,
     hidden: usize,
 ) -> candle::Result<(usize, usize)> {
-    let (t, _) = xs.dims2()?;
-    let (_, k) = expert_ids.dims2()?;
+    for (name, t, ok, wanted) in [
+        (
+            "xs",
+            xs,
+            is_compute_float(xs.dtype()),
+            "floating point (f16, bf16, f32 or f64)",
+        ),
+        (
+            "expert_ids",
+            expert_ids,
+            expert_ids.dtype().is_int(),
+            "integer (u32 or i64)",
+        ),
+        (
+            "weights",
+            weights,
+            is_compute_float(weights.dtype()),
+            "floating point (f16, bf16, f32 or f64)",
+        ),
+    ] {
+        if !ok {
+            return Err(QmoeError::InvalidArgument {
+                argument: name.into(),
+                reason: format!("must be {wanted}, got {:?}", t.dtype()),
+            }
+            .into());
+        }
+    }
+    let rank2 = |name: &str, t: &Tensor, expected: &str| match t.dims() {
+        &[a, b] => Ok((a, b)),
+        got => Err(QmoeError::InvalidArgument {
+            argument: name.into(),
+            reason: format!("must be {expected} (2-D), got shape {got:?}"),
+        }),
+    };
+    let (t, _) = rank2("xs", xs, "[tokens, hidden_size]")?;
+    let (_, k) = rank2("expert_ids", expert_ids, "[tokens, top_k]")?;
     let shapes: [(&str, &[usize], [usize; 2]); 3] = [
         ("xs", xs.dims(), [t, hidden]),
         ("expert_ids", expert_ids.dims(), [t, k]),
@@ -71,19 +115,48 @@ pub struct DenseExperts {
 }
 
 impl DenseExperts {
-    /// Wraps per-expert weights (`gate`/`up` `[I, H]`, `down` `[H, I]`), checking shapes.
+    /// Wraps per-expert weights (`gate`/`up` `[I, H]`, `down` `[H, I]`, all of one floating
+    /// point dtype), checking shapes and dtypes.
     pub fn new(experts: Vec<DenseExpert>) -> candle::Result<Self> {
         let first = experts.first().ok_or_else(|| QmoeError::InvalidArgument {
             argument: "experts".into(),
             reason: "zero experts".into(),
         })?;
-        let (i, h) = first.gate.dims2()?;
+        let (i, h) = match first.gate.dims() {
+            &[i, h] => (i, h),
+            got => {
+                return Err(QmoeError::InvalidArgument {
+                    argument: "expert 0 gate projection".into(),
+                    reason: format!("must be [intermediate, hidden] (2-D), got shape {got:?}"),
+                }
+                .into())
+            }
+        };
+        let dtype = first.gate.dtype();
+        if !is_compute_float(dtype) {
+            return Err(QmoeError::InvalidArgument {
+                argument: "expert 0 gate projection".into(),
+                reason: format!("must be f16, bf16, f32 or f64, got {dtype:?}"),
+            }
+            .into());
+        }
         for (e, x) in experts.iter().enumerate() {
             for (name, t, want) in [
                 ("gate", &x.gate, [i, h]),
                 ("up", &x.up, [i, h]),
                 ("down", &x.down, [h, i]),
             ] {
+                if t.dtype() != dtype {
+                    return Err(QmoeError::InvalidArgument {
+                        argument: format!("expert {e} {name} projection"),
+                        reason: format!(
+                            "is {:?}, but expert 0's gate projection is {dtype:?}: all experts \
+                             must share one dtype",
+                            t.dtype()
+                        ),
+                    }
+                    .into());
+                }
                 if t.dims() != want {
                     return Err(QmoeError::ShapeMismatch {
                         tensor: format!("expert {e} {name} projection"),
@@ -123,7 +196,8 @@ fn per_expert_forward(
         k,
         num_experts,
     )?;
-    let x = xs.to_dtype(dtype)?;
+    // `index_select` needs a contiguous tensor (a view such as a narrowed or transposed `xs`).
+    let x = xs.to_dtype(dtype)?.contiguous()?;
     // Transformers casts the routing weights to the activations' dtype before the product.
     let flat_w = weights
         .to_dtype(xs.dtype())?

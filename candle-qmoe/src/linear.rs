@@ -222,6 +222,8 @@ impl DenseLinear {
     }
 }
 
+/// Candle's `Linear` as it is (Candle multiplies it); a weight that is not 2-D gets `dims`
+/// `(0, 0)`, which every shape check refuses.
 impl From<Linear> for DenseLinear {
     fn from(l: Linear) -> Self {
         let dims = l.weight().dims2().unwrap_or((0, 0));
@@ -235,6 +237,32 @@ impl From<Linear> for DenseLinear {
 
 impl Module for DenseLinear {
     fn forward(&self, xs: &Tensor) -> candle::Result<Tensor> {
+        let (out, input) = self.dims;
+        if xs.dims().last() != Some(&input) {
+            return Err(QmoeError::InvalidArgument {
+                argument: "input of a linear layer".into(),
+                reason: format!(
+                    "has shape {:?}; the layer's weight is [{out}, {input}], so its last \
+                     dimension must be {input}",
+                    xs.dims()
+                ),
+            }
+            .into());
+        }
+        if let Kernel::Candle(l) = &self.kernel {
+            if xs.dtype() != l.weight().dtype() {
+                return Err(QmoeError::InvalidArgument {
+                    argument: "input of a linear layer".into(),
+                    reason: format!(
+                        "is {:?}, but the layer's weight [{out}, {input}] is {:?}: convert one \
+                         to the other's dtype",
+                        xs.dtype(),
+                        l.weight().dtype()
+                    ),
+                }
+                .into());
+            }
+        }
         let y = match &self.kernel {
             Kernel::Bf16 { weight, op } if xs.dtype() == DType::F32 => {
                 xs.contiguous()?.apply_op2_no_bwd(weight, op)?

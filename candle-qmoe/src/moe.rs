@@ -45,6 +45,11 @@ impl SharedExpert {
 }
 
 impl SharedExpert {
+    /// The hidden size it was loaded for (its gate is `[1, hidden]`).
+    pub fn hidden_size(&self) -> usize {
+        self.gate.dims().1
+    }
+
     /// Bytes of the MLP and its gate: what one token reads.
     pub fn weight_bytes(&self) -> usize {
         self.mlp.weight_bytes() + self.gate.weight_bytes()
@@ -199,7 +204,8 @@ impl std::fmt::Debug for SparseMoe {
 }
 
 impl SparseMoe {
-    /// Builds the block, checking `1 ≤ top_k ≤ experts` and the router's shape.
+    /// Builds the block, checking `1 ≤ top_k ≤ experts`, the router's shape and the shared
+    /// expert's hidden size against the experts'.
     pub fn new(
         router: impl Into<DenseLinear>,
         experts: Arc<dyn RoutedExperts>,
@@ -218,10 +224,23 @@ impl SparseMoe {
         }
         let want = (e, experts.hidden_size());
         if router.dims() != want {
+            // A Candle `Linear` whose weight is not 2-D has no `dims`: name its real shape.
+            let got = router.weight().map_or_else(
+                || vec![router.dims().0, router.dims().1],
+                |w| w.dims().to_vec(),
+            );
             return Err(QmoeError::ShapeMismatch {
                 tensor: "router (gate.weight)".into(),
-                got: vec![router.dims().0, router.dims().1],
+                got,
                 expected: vec![want.0, want.1],
+            }
+            .into());
+        }
+        if let Some(shared) = shared.as_ref().filter(|s| s.hidden_size() != want.1) {
+            return Err(QmoeError::ShapeMismatch {
+                tensor: "shared expert (shared_expert_gate.weight)".into(),
+                got: vec![1, shared.hidden_size()],
+                expected: vec![1, want.1],
             }
             .into());
         }

@@ -268,10 +268,14 @@ pub fn forced_decode(
     )?;
     if g.tokens.len() != forced.len() {
         return Err(golden_err(format!(
-            "decoding stopped after {} of {} tokens (the model's context holds {})",
-            g.tokens.len(),
+            "its {}-token prompt and {} greedy tokens make {}, more than the model's context of \
+             {} tokens (max_position_embeddings, which counts the last generated token) holds: \
+             decoding stopped after {} of them",
+            prompt.len(),
             forced.len(),
-            model.spec().max_position_embeddings
+            prompt.len() + forced.len(),
+            model.spec().max_position_embeddings,
+            g.tokens.len(),
         ))
         .into());
     }

@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Result};
 use candle::Device;
+use candle_qmoe::models::ModelConfig;
 use candle_qmoe::plan::{self, Plan};
 use candle_qmoe_suite::model::{Batching, Loaded, ModelArgs};
 use clap::Parser;
@@ -102,7 +103,7 @@ fn main() -> Result<()> {
     }
     let device = args.model.device()?;
     let dtype = args.model.compute_dtype(&device);
-    let model_ctx = args.model.config()?.common().max_position_embeddings;
+    let model_ctx = args.model.config()?.spec()?.max_position_embeddings;
     args.model.ctx = Some(args.model.ctx.unwrap_or(model_ctx.min(DEFAULT_CTX)));
     args.model.batching = Batching {
         sequences: args.parallel,

@@ -145,7 +145,10 @@ impl MoeForCausalLm {
             .map(|i| DecoderLayer::new(&spec, i, rotary.clone(), experts, vb_m.pp("layers").pp(i)))
             .collect::<candle::Result<Vec<_>>>()?;
         let norm = RmsNorm::new(spec.hidden_size, spec.rms_norm_eps, vb_m.pp("norm"))?;
-        let lm_head = if spec.tie_word_embeddings {
+        // As transformers 5: a checkpoint that stores its own `lm_head.weight` beside
+        // `tie_word_embeddings: true` is not tied (transformers unties when the two differ;
+        // when they are equal the stored copy gives the same logits).
+        let lm_head = if spec.tie_word_embeddings && !vb.contains_tensor("lm_head.weight") {
             DenseLinear::new(embed_tokens.embeddings().clone(), None)?
         } else {
             DenseLinear::load_no_bias(spec.hidden_size, spec.vocab_size, vb.pp("lm_head"))?
@@ -216,6 +219,15 @@ impl MoeForCausalLm {
             return Err(invalid(
                 "input_ids",
                 format!("it is empty (shape {:?})", input_ids.dims()),
+            ));
+        }
+        if !input_ids.dtype().is_int() {
+            return Err(invalid(
+                "input_ids",
+                format!(
+                    "token ids must be integers (u32 or i64), got {:?}",
+                    input_ids.dtype()
+                ),
             ));
         }
         if seqlen_offset != self.cache.len {

@@ -360,6 +360,32 @@ impl ModelConfig for ModelSpec {
     }
 }
 
+/// What a family's transformers config class assumes for the fields a `config.json` may leave
+/// out, so that an absent field means what it means to transformers.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FamilyDefaults {
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base (Mixtral's `default_theta` is 10⁶, the others' 10⁴).
+    pub rope_theta: f64,
+    /// Key/value heads; `None` means `num_attention_heads` (OLMoE).
+    pub num_key_value_heads: Option<usize>,
+    /// Longest sequence.
+    pub max_position_embeddings: usize,
+}
+
+/// Refuses a RoPE type other than `default` (the only one the ports implement).
+fn check_rope_type(rope_type: &str) -> crate::Result<()> {
+    if rope_type == "default" {
+        return Ok(());
+    }
+    Err(QmoeError::unsupported(
+        "rope_type",
+        rope_type,
+        "is not supported (only the default RoPE)",
+    ))
+}
+
 /// The newer transformers spelling of the RoPE settings (`rope_parameters`).
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
 pub struct RopeParameters {
@@ -389,14 +415,15 @@ pub struct CommonConfig {
     pub num_hidden_layers: usize,
     /// Query heads.
     pub num_attention_heads: usize,
-    /// Key/value heads; absent means `num_attention_heads`.
+    /// Key/value heads; absent means the family's default ([`FamilyDefaults`]).
     #[serde(default)]
     pub num_key_value_heads: Option<usize>,
     /// Head size; absent means `hidden_size / num_attention_heads`.
     #[serde(default)]
     pub head_dim: Option<usize>,
-    /// Longest sequence the model accepts.
-    pub max_position_embeddings: usize,
+    /// Longest sequence the model accepts; absent means the family's default.
+    #[serde(default)]
+    pub max_position_embeddings: Option<usize>,
     /// RMSNorm epsilon (family default when absent).
     #[serde(default)]
     pub rms_norm_eps: Option<f64>,
@@ -421,21 +448,23 @@ pub struct CommonConfig {
     /// Renormalise the top-k probabilities (default `false`).
     #[serde(default)]
     pub norm_topk_prob: Option<bool>,
-    /// Activation; only `silu` is supported.
+    /// Activation; only `silu` (or its other name `swish`) is supported.
     #[serde(default)]
     pub hidden_act: Option<String>,
 }
 
 impl CommonConfig {
-    /// The RoPE base from either spelling (default 10000). RoPE scaling is not implemented: a
-    /// `rope_parameters.rope_type` or a non-null `rope_scaling` (whose type is `rope_type`,
-    /// or `type` in older configs) other than `default` is a [`QmoeError::UnsupportedConfig`]
-    /// naming the type, or naming `rope_scaling` when it gives none.
-    pub fn rope_theta(&self) -> crate::Result<f64> {
-        let params = self.rope_parameters.as_ref();
+    /// The RoPE base, as transformers 5 reads it: from `rope_scaling` when it is set (it
+    /// replaces `rope_parameters`), else from `rope_parameters`, else the top-level
+    /// `rope_theta`, else `default` (the family's). RoPE scaling is not implemented: a RoPE type
+    /// (`rope_type`, or `type` in older configs) other than `default` is a
+    /// [`QmoeError::UnsupportedConfig`] naming the type, or naming `rope_scaling` when it gives
+    /// none.
+    pub fn rope_theta(&self, default: f64) -> crate::Result<f64> {
         let scaling = self.rope_scaling.as_ref().filter(|v| !v.is_null());
-        let scaling_type = scaling.map(|v| {
-            v.get("rope_type")
+        if let Some(v) = scaling {
+            let rope_type = v
+                .get("rope_type")
                 .or_else(|| v.get("type"))
                 .and_then(|t| t.as_str())
                 .ok_or_else(|| {
@@ -444,35 +473,29 @@ impl CommonConfig {
                         v,
                         "names no RoPE type (only the default RoPE is supported)",
                     )
-                })
-        });
-        let scaling_type = scaling_type.transpose()?;
-        let rope_type = params.and_then(|p| p.rope_type.as_deref());
-        if let Some(rt) = [rope_type, scaling_type]
-            .into_iter()
-            .flatten()
-            .find(|rt| *rt != "default")
-        {
-            return Err(QmoeError::unsupported(
-                "rope_type",
-                rt,
-                "is not supported (only the default RoPE)",
-            ));
+                })?;
+            check_rope_type(rope_type)?;
+            let theta = v.get("rope_theta").and_then(|t| t.as_f64());
+            return Ok(theta.or(self.rope_theta).unwrap_or(default));
         }
-        Ok(self
-            .rope_theta
-            .or_else(|| params.and_then(|p| p.rope_theta))
-            .unwrap_or(10_000.0))
+        let params = self.rope_parameters.as_ref();
+        if let Some(rope_type) = params.and_then(|p| p.rope_type.as_deref()) {
+            check_rope_type(rope_type)?;
+        }
+        Ok(params
+            .and_then(|p| p.rope_theta)
+            .or(self.rope_theta)
+            .unwrap_or(default))
     }
 
     /// Maps the shared fields onto a [`ModelSpec`] and validates it.
     ///
-    /// `expected_type` is the port's `model_type`; `default_eps` its RMSNorm epsilon default;
+    /// `expected_type` is the port's `model_type`; `defaults` what it assumes for absent fields;
     /// `layer` gives the feed-forward block of each layer index.
     pub fn to_spec(
         &self,
         expected_type: &str,
-        default_eps: f64,
+        defaults: &FamilyDefaults,
         attention: AttentionSpec,
         layer: impl Fn(usize) -> FfnSpec,
     ) -> crate::Result<ModelSpec> {
@@ -483,11 +506,16 @@ impl CommonConfig {
                 format!("is not supported by the `{expected_type}` port"),
             ));
         }
-        if let Some(act) = self.hidden_act.as_deref().filter(|a| *a != "silu") {
+        // `swish` is transformers' other name for SiLU.
+        if let Some(act) = self
+            .hidden_act
+            .as_deref()
+            .filter(|a| !matches!(*a, "silu" | "swish"))
+        {
             return Err(QmoeError::unsupported(
                 "hidden_act",
                 act,
-                "is not supported (only silu)",
+                "is not supported (only silu, also called swish)",
             ));
         }
         // Checked before the per-layer specs are built.
@@ -504,16 +532,33 @@ impl CommonConfig {
             }
             None => self.hidden_size / heads,
         };
+        if let (None, Some(kv)) = (self.num_key_value_heads, defaults.num_key_value_heads) {
+            if kv == 0 || !heads.is_multiple_of(kv) {
+                return Err(QmoeError::unsupported(
+                    "num_key_value_heads",
+                    kv,
+                    format!(
+                        "(transformers' default for `{expected_type}`, as config.json gives \
+                         none) does not divide num_attention_heads = {heads}"
+                    ),
+                ));
+            }
+        }
         let spec = ModelSpec {
             model_type: expected_type.to_string(),
             vocab_size: self.vocab_size,
             hidden_size: self.hidden_size,
             num_heads: heads,
-            num_kv_heads: self.num_key_value_heads.unwrap_or(heads),
+            num_kv_heads: self
+                .num_key_value_heads
+                .or(defaults.num_key_value_heads)
+                .unwrap_or(heads),
             head_dim,
-            rms_norm_eps: self.rms_norm_eps.unwrap_or(default_eps),
-            rope_theta: self.rope_theta()?,
-            max_position_embeddings: self.max_position_embeddings,
+            rms_norm_eps: self.rms_norm_eps.unwrap_or(defaults.rms_norm_eps),
+            rope_theta: self.rope_theta(defaults.rope_theta)?,
+            max_position_embeddings: self
+                .max_position_embeddings
+                .unwrap_or(defaults.max_position_embeddings),
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
             attention,
             layers: (0..self.num_hidden_layers).map(layer).collect(),

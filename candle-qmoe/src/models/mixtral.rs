@@ -4,19 +4,28 @@
 //! Every layer is a MoE block named `block_sparse_moe` whose experts are `w1` (gate), `w3` (up)
 //! and `w2` (down) of `intermediate_size` ([`MoeNames::MIXTRAL`]); routing takes the top-k of
 //! the router logits and a softmax over them, which is softmax → top-k → renormalise. Attention
-//! is plain GQA without bias or q/k norm. Sliding-window attention (a non-null `sliding_window`)
-//! is not implemented and refused. Only the mapping from `config.json` lives here; the model
+//! is plain GQA without bias or q/k norm. Sliding-window attention (a `sliding_window` shorter
+//! than `max_position_embeddings`) is not implemented and refused. Only the mapping from `config.json` lives here; the model
 //! itself is the shared [`super::MoeForCausalLm`].
 
 use serde::{Deserialize, Serialize};
 
 use super::config::{
-    AttentionSpec, CommonConfig, FfnSpec, ModelConfig, ModelSpec, MoeNames, MoeSpec, QkNorm,
+    AttentionSpec, CommonConfig, FamilyDefaults, FfnSpec, ModelConfig, ModelSpec, MoeNames,
+    MoeSpec, QkNorm,
 };
 use crate::QmoeError;
 
 /// The `model_type` this port reads.
 pub const MODEL_TYPE: &str = "mixtral";
+
+/// What transformers' `MixtralConfig` assumes for fields a `config.json` leaves out.
+pub const DEFAULTS: FamilyDefaults = FamilyDefaults {
+    rms_norm_eps: 1e-5,
+    rope_theta: 1_000_000.0,
+    num_key_value_heads: Some(8),
+    max_position_embeddings: 131_072,
+};
 
 /// The `architectures` entry of this family.
 pub const ARCHITECTURE: &str = "MixtralForCausalLM";
@@ -27,7 +36,8 @@ pub struct Config {
     /// Fields every family shares (the expert count as `num_local_experts`).
     #[serde(flatten)]
     pub common: CommonConfig,
-    /// Sliding-window size; only `null` or absent (full attention) is supported.
+    /// Sliding-window size; only `null`, absent or at least `max_position_embeddings` (full
+    /// attention, all three) is supported.
     #[serde(default)]
     pub sliding_window: Option<serde_json::Value>,
 }
@@ -52,21 +62,31 @@ impl Config {
 
 impl ModelConfig for Config {
     fn spec(&self) -> crate::Result<ModelSpec> {
-        if let Some(w) = &self.sliding_window {
+        let c = &self.common;
+        // A window at least as long as the longest sequence is full attention.
+        let max_positions = c
+            .max_position_embeddings
+            .unwrap_or(DEFAULTS.max_position_embeddings);
+        let full = |w: &serde_json::Value| w.as_u64().is_some_and(|w| w >= max_positions as u64);
+        if let Some(w) = self.sliding_window.as_ref().filter(|w| !full(w)) {
             return Err(QmoeError::unsupported(
                 "sliding_window",
                 w,
-                "is not supported (only full attention, `sliding_window: null`)",
+                format!(
+                    "is not supported (only full attention: `sliding_window: null`, or a window \
+                     of at least max_position_embeddings = {max_positions})"
+                ),
             ));
         }
-        let c = &self.common;
         let attention = AttentionSpec::with_bias(false, QkNorm::None);
         let moe = MoeSpec {
             norm_topk_prob: true,
             names: MoeNames::MIXTRAL,
             ..c.moe(c.intermediate_size, None)
         };
-        c.to_spec(MODEL_TYPE, 1e-5, attention, |_| FfnSpec::Moe(moe.clone()))
+        c.to_spec(MODEL_TYPE, &DEFAULTS, attention, |_| {
+            FfnSpec::Moe(moe.clone())
+        })
     }
 }
 

@@ -42,7 +42,8 @@ pub use checkpoint::{
     checkpoint_files, fingerprint, mmap_checkpoint, stored_decoder_layers, CheckpointTensors,
 };
 pub use config::{
-    AttentionSpec, CommonConfig, FfnSpec, ModelConfig, ModelSpec, MoeNames, MoeSpec, QkNorm,
+    AttentionSpec, CommonConfig, FamilyDefaults, FfnSpec, ModelConfig, ModelSpec, MoeNames,
+    MoeSpec, QkNorm,
 };
 pub use experts::{ExpertDims, ExpertsBackend, ExpertsLoader, PackedExperts};
 pub use quantize::{quantize_checkpoint, quantize_checkpoint_to_file, QuantizeOptions};

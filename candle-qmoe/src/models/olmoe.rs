@@ -8,10 +8,20 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::config::{AttentionSpec, CommonConfig, FfnSpec, ModelConfig, ModelSpec, QkNorm};
+use super::config::{
+    AttentionSpec, CommonConfig, FamilyDefaults, FfnSpec, ModelConfig, ModelSpec, QkNorm,
+};
 
 /// The `model_type` this port reads.
 pub const MODEL_TYPE: &str = "olmoe";
+
+/// What transformers' `OlmoeConfig` assumes for fields a `config.json` leaves out.
+pub const DEFAULTS: FamilyDefaults = FamilyDefaults {
+    rms_norm_eps: 1e-5,
+    rope_theta: 10_000.0,
+    num_key_value_heads: None,
+    max_position_embeddings: 4096,
+};
 
 /// The `architectures` entry of this family.
 pub const ARCHITECTURE: &str = "OlmoeForCausalLM";
@@ -45,7 +55,7 @@ impl ModelConfig for Config {
             clip_qkv: self.clip_qkv,
             ..AttentionSpec::with_bias(bias, QkNorm::Projection)
         };
-        c.to_spec(MODEL_TYPE, 1e-5, attention, |_| {
+        c.to_spec(MODEL_TYPE, &DEFAULTS, attention, |_| {
             FfnSpec::Moe(c.moe(c.intermediate_size, None))
         })
     }

@@ -8,11 +8,21 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::config::{AttentionSpec, CommonConfig, FfnSpec, ModelConfig, ModelSpec, QkNorm};
+use super::config::{
+    AttentionSpec, CommonConfig, FamilyDefaults, FfnSpec, ModelConfig, ModelSpec, QkNorm,
+};
 use crate::QmoeError;
 
 /// The `model_type` this port reads.
 pub const MODEL_TYPE: &str = "qwen2_moe";
+
+/// What transformers' `Qwen2MoeConfig` assumes for fields a `config.json` leaves out.
+pub const DEFAULTS: FamilyDefaults = FamilyDefaults {
+    rms_norm_eps: 1e-6,
+    rope_theta: 10_000.0,
+    num_key_value_heads: Some(16),
+    max_position_embeddings: 32_768,
+};
 
 /// The `architectures` entry of this family.
 pub const ARCHITECTURE: &str = "Qwen2MoeForCausalLM";
@@ -54,6 +64,7 @@ impl SparseLayers {
         &self,
         common: &CommonConfig,
         model_type: &str,
+        defaults: &FamilyDefaults,
         attention: AttentionSpec,
         shared: Option<usize>,
     ) -> crate::Result<ModelSpec> {
@@ -71,7 +82,7 @@ impl SparseLayers {
                 "is not supported",
             ));
         }
-        common.to_spec(model_type, 1e-6, attention, |i| {
+        common.to_spec(model_type, defaults, attention, |i| {
             if self.is_moe_layer(common, i) {
                 FfnSpec::Moe(common.moe(self.moe_intermediate_size, shared))
             } else {
@@ -116,7 +127,7 @@ impl ModelConfig for Config {
         };
         let shared = Some(self.shared_expert_intermediate_size);
         self.layers
-            .to_spec(&self.common, MODEL_TYPE, attention, shared)
+            .to_spec(&self.common, MODEL_TYPE, &DEFAULTS, attention, shared)
     }
 }
 

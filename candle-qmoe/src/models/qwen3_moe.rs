@@ -10,11 +10,19 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::config::{AttentionSpec, CommonConfig, ModelConfig, ModelSpec, QkNorm};
+use super::config::{AttentionSpec, CommonConfig, FamilyDefaults, ModelConfig, ModelSpec, QkNorm};
 use super::qwen2_moe::SparseLayers;
 
 /// The `model_type` this port reads.
 pub const MODEL_TYPE: &str = "qwen3_moe";
+
+/// What transformers' `Qwen3MoeConfig` assumes for fields a `config.json` leaves out.
+pub const DEFAULTS: FamilyDefaults = FamilyDefaults {
+    rms_norm_eps: 1e-6,
+    rope_theta: 10_000.0,
+    num_key_value_heads: Some(4),
+    max_position_embeddings: 32_768,
+};
 
 /// The `architectures` entry of this family.
 pub const ARCHITECTURE: &str = "Qwen3MoeForCausalLM";
@@ -45,7 +53,7 @@ impl ModelConfig for Config {
         let bias = self.attention_bias.unwrap_or(false);
         let attention = AttentionSpec::with_bias(bias, QkNorm::PerHead);
         self.layers
-            .to_spec(&self.common, MODEL_TYPE, attention, None)
+            .to_spec(&self.common, MODEL_TYPE, &DEFAULTS, attention, None)
     }
 }
 

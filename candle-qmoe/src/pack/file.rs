@@ -43,9 +43,10 @@ pub struct PackMeta {
     pub source_model: String,
     /// Source revision (hub revision or `local`).
     pub source_revision: String,
-    /// Fingerprint of the source checkpoint: a [`checkpoint_fingerprint`], then for a
-    /// checkpoint folder `+` and the digest of a sample of its expert weights (see
-    /// [`crate::models::fingerprint`]).
+    /// Fingerprint of the source checkpoint: a [`checkpoint_fingerprint`] (64 hexadecimal
+    /// digits), then for a checkpoint folder `+` and the digest of a sample of its expert
+    /// weights (64 more; see [`crate::models::fingerprint`]). Packs of another form are refused
+    /// when written and when opened.
     pub fingerprint: String,
 }
 
@@ -152,18 +153,48 @@ pub struct PackWriter {
     out: SafetensorsWriter,
     meta: PackMeta,
     layers: Vec<usize>,
+    /// How many of `layers` have been written.
+    written: usize,
     checksums: Vec<u32>,
+}
+
+/// Whether `fingerprint` has the form a pack records: 64 hexadecimal digits, or two such joined
+/// by `+` (see [`PackMeta::fingerprint`]).
+fn is_valid_fingerprint(fingerprint: &str) -> bool {
+    let is_hex = |f: &str| f.len() == 64 && f.bytes().all(|b| b.is_ascii_hexdigit());
+    let (source, sample) = fingerprint_parts(fingerprint);
+    is_hex(source) && sample.is_none_or(is_hex)
 }
 
 impl PackWriter {
     /// Starts the file at `path` for the MoE layers `layers` (in the order they will be
-    /// written) with the header `meta`.
+    /// written) with the header `meta`. Refuses, before anything is written, what
+    /// [`PackFile::open`] would refuse to read: no layer, a layer index given twice, zero
+    /// experts, a fingerprint not of [`PackMeta::fingerprint`]'s form.
     pub fn create(
         path: &Path,
         meta: &PackMeta,
         layers: impl IntoIterator<Item = usize>,
     ) -> crate::Result<Self> {
         let layers: Vec<usize> = layers.into_iter().collect();
+        let refuse = |reason: String| QmoeError::InvalidPack { reason };
+        if layers.is_empty() {
+            return Err(refuse("a pack needs at least one layer".into()));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        if let Some(i) = layers.iter().find(|&&i| !seen.insert(i)) {
+            return Err(refuse(format!("layer {i} is given twice")));
+        }
+        if meta.num_experts == 0 {
+            return Err(refuse("`num_experts` is 0".into()));
+        }
+        if !is_valid_fingerprint(&meta.fingerprint) {
+            return Err(refuse(format!(
+                "fingerprint `{}` is not 64 hexadecimal digits (or two such, joined by `+`): \
+                 use checkpoint_fingerprint() or models::fingerprint()",
+                meta.fingerprint
+            )));
+        }
         let l = meta.layout;
         let info: HashMap<String, String> = [
             ("format", FORMAT.to_string()),
@@ -199,6 +230,7 @@ impl PackWriter {
             out,
             meta: meta.clone(),
             layers,
+            written: 0,
             checksums: Vec::new(),
         })
     }
@@ -206,9 +238,21 @@ impl PackWriter {
     /// Appends layer `i`'s slabs; layers must come in the order given to [`Self::create`] and
     /// match the header's layout.
     pub fn write_layer(&mut self, i: usize, pack: &LayerPack) -> crate::Result<()> {
+        match self.layers.get(self.written) {
+            Some(&next) if next == i => {}
+            next => {
+                return Err(QmoeError::InvalidPack {
+                    reason: match next {
+                        Some(next) => format!("layer {i} written where layer {next} comes next"),
+                        None => format!("layer {i} written after every layer of the header"),
+                    },
+                })
+            }
+        }
         check_layer(&self.meta, i, pack)?;
         self.out.write(&tensor_name(i), pack.bytes())?;
         self.checksums.extend_from_slice(pack.checksums());
+        self.written += 1;
         Ok(())
     }
 
@@ -230,6 +274,15 @@ impl PackWriter {
 
     /// Appends the checksums and puts the file in place (see [`SafetensorsWriter::finish`]).
     pub fn finish(mut self) -> crate::Result<()> {
+        if self.written != self.layers.len() {
+            return Err(QmoeError::InvalidPack {
+                reason: format!(
+                    "finished after {} of the header's {} layers",
+                    self.written,
+                    self.layers.len()
+                ),
+            });
+        }
         let experts = self.meta.num_experts;
         for (i, sums) in self.layers.iter().zip(self.checksums.chunks(experts)) {
             let bytes: Vec<u8> = sums.iter().flat_map(|c| c.to_le_bytes()).collect();
@@ -365,9 +418,7 @@ impl PackFile {
             source_revision: get("source_revision")?,
             fingerprint: get("fingerprint")?,
         };
-        let is_hex = |f: &str| f.len() == 64 && f.bytes().all(|b| b.is_ascii_hexdigit());
-        let (source, sample) = fingerprint_parts(&meta.fingerprint);
-        if !is_hex(source) || !sample.is_none_or(is_hex) {
+        if !is_valid_fingerprint(&meta.fingerprint) {
             return Err(bad(
                 path,
                 "metadata `fingerprint` is not 64 hexadecimal digits (or two such, joined by `+`)",

@@ -126,6 +126,15 @@ fn matrix_f32(
             expected: expected.to_vec(),
         });
     }
+    if !crate::experts::is_compute_float(t.dtype()) {
+        return Err(QmoeError::InvalidArgument {
+            argument: format!("tensor `{name}`"),
+            reason: format!(
+                "is {:?}; expert weights must be f16, bf16, f32 or f64",
+                t.dtype()
+            ),
+        });
+    }
     *out = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
     Ok(())
 }
@@ -469,6 +478,10 @@ impl LayerPack {
         self.bytes.as_slice()
     }
     /// The slab of expert `e`, as stored (not verified: see [`LayerPack::verified_slab`]).
+    ///
+    /// # Panics
+    /// When `e` is not below [`LayerPack::num_experts`], as slice indexing does; the checked
+    /// form is [`LayerPack::verified_slab`].
     pub fn slab(&self, e: usize) -> SlabView<'_> {
         let n = self.layout.slab_bytes();
         SlabView {
@@ -478,7 +491,9 @@ impl LayerPack {
     }
 
     /// The slab of expert `e`, verified against its checksum on first use (see [`integrity`]).
+    /// An expert out of range is a [`QmoeError::InvalidArgument`].
     pub fn verified_slab(&self, e: usize) -> crate::Result<SlabView<'_>> {
+        self.check_expert(e)?;
         let view = self.slab(e);
         self.checks.verify(e, self.layout, view.bytes)?;
         Ok(view)
@@ -486,19 +501,38 @@ impl LayerPack {
 
     /// Verifies the slabs of `experts` that are not verified yet (in parallel); a corrupt slab
     /// is a [`QmoeError::CorruptPack`] naming the pack file, the layer and the expert.
+    /// An expert out of range is a [`QmoeError::InvalidArgument`].
     pub fn verify_experts(&self, experts: impl IntoIterator<Item = usize>) -> crate::Result<()> {
-        let pending: Vec<usize> = experts
-            .into_iter()
-            .filter(|&e| !self.checks.is_verified(e))
-            .collect();
+        let mut pending = Vec::new();
+        for e in experts {
+            self.check_expert(e)?;
+            if !self.checks.is_verified(e) {
+                pending.push(e);
+            }
+        }
         pending
             .into_par_iter()
             .try_for_each(|e| self.verified_slab(e).map(|_| ()))
     }
 
-    /// Whether slab `e` has been verified (slabs made in this process always are).
+    /// `e` as an expert of this layer, or a [`QmoeError::InvalidArgument`].
+    fn check_expert(&self, e: usize) -> crate::Result<()> {
+        if e < self.num_experts {
+            return Ok(());
+        }
+        Err(QmoeError::InvalidArgument {
+            argument: "expert".into(),
+            reason: format!(
+                "expert {e} is out of range for a layer of {} experts",
+                self.num_experts
+            ),
+        })
+    }
+
+    /// Whether slab `e` has been verified (slabs made in this process always are); `false` for
+    /// an expert out of range.
     pub fn is_verified(&self, e: usize) -> bool {
-        self.checks.is_verified(e)
+        e < self.num_experts && self.checks.is_verified(e)
     }
 
     /// Verifies every slab not verified yet.
