@@ -583,13 +583,23 @@ fn fit_refuses_naming_the_component() {
         "{text}"
     );
     assert!(text.contains("--allow-ctx-reduction"), "{text}");
-    // Runtime and weights fit, the KV cache does not.
+    // Runtime and weights fit, the KV cache does not, even at ctx 1 (2 KiB there), which is
+    // what the refusal shows when no context fits.
     let err = refuse(768 * MIB + 1_651_200 + 1000);
     assert_eq!(
         does_not_fit(&err),
-        Some((Component::KvCache, 524_288, 1000)),
+        Some((Component::KvCache, 2048, 1000)),
         "{err}"
     );
+    // At ctx 256 the KV cache (512 KiB) would cross this budget first, but shortening the
+    // context cannot save it: at ctx 1 the top-k expert slots still do not fit, and they are
+    // named.
+    let err = refuse(768 * MIB + 1_651_200 + 200_000);
+    assert!(
+        matches!(does_not_fit(&err), Some((Component::ExpertCache, needed, _)) if needed == 8 * OLMOE_SLAB),
+        "{err}"
+    );
+    assert!(err.to_string().contains("at ctx 1"), "{err}");
     // Not even the weights fit: the message names them and what is missing.
     let err = refuse(768 * MIB + 1000);
     assert_eq!(

@@ -103,6 +103,14 @@ pub mod residency;
 pub mod safetensors_writer;
 pub mod synthetic;
 
+/// The `half` crate of [`f16`](half::f16) scales and [`bf16`](half::bf16) weights in our
+/// signatures.
+pub use half;
+/// The `safetensors` crate of the [`Dtype`](safetensors::Dtype) in our signatures.
+pub use safetensors;
+/// The `serde_json` crate of the config values in our signatures.
+pub use serde_json;
+
 pub use error::{QmoeError, Result};
 pub use experts::{DenseExperts, GgmlExperts, Int4Experts, RoutedExperts};
 pub use linear::DenseLinear;

@@ -103,7 +103,8 @@ impl Plan {
     /// if [`FitOptions::allow_ctx_reduction`]; otherwise the error is
     /// [`QmoeError::DoesNotFit`]: the component that does not fit, with the breakdown of the
     /// cheapest plan, the smallest budget that holds it, and the largest context within this
-    /// budget. Bad options (layer weights, margin, a zero budget) are [`QmoeError::Plan`].
+    /// budget; when no context fits, the component and breakdown are those of the cheapest plan
+    /// at ctx 1. Bad options (layer weights, margin, a zero budget) are [`QmoeError::Plan`].
     pub fn fit(&self, budget: u64, opts: &FitOptions) -> Result<Fit, QmoeError> {
         let usable = usable_budget(budget, opts.margin)?;
         let moe = moe_layers(&self.spec);
@@ -152,11 +153,18 @@ impl Plan {
                  --allow-ctx-reduction)"
             ),
             None => format!(
-                "; no context length fits {} (the fixed costs alone exceed it)",
+                "; no context length fits {}: the breakdown above is at ctx 1, where the \
+                 context costs least",
                 format_bytes(budget)
             ),
         };
-        Err(minimal.refusal(budget, usable, &advice))
+        // When no context fits, name what does not fit even at the smallest one: shortening
+        // the context cannot help the component a plan at the requested context would name.
+        let refused = match largest_ctx {
+            None if self.ctx > 1 => self.smallest(1)?,
+            _ => minimal,
+        };
+        Err(refused.refusal(budget, usable, &advice))
     }
 
     /// The same model and options at another context and residency.
