@@ -301,4 +301,9 @@ fn misused_blocks_and_calls_are_refused_by_name() {
         invalid(&e, "input of a linear layer", "last dimension must be 48"),
         "{e}"
     );
+    // Candle's Q4K needs rows of 256 weights: the refusal names the expert's projection.
+    let e = candle_qmoe::GgmlExperts::quantize(&experts, candle::quantized::GgmlDType::Q4K)
+        .err()
+        .unwrap();
+    assert!(invalid(&e, "expert 0 gate projection", "Q4K"), "{e}");
 }

@@ -288,7 +288,21 @@ impl GgmlExperts {
         let experts = dense
             .experts
             .iter()
-            .map(|x| Ok([q(&x.gate)?, q(&x.up)?, q(&x.down)?]))
+            .enumerate()
+            .map(|(e, x)| {
+                let q = |name: &str, t: &Tensor| {
+                    q(t).map_err(|err| {
+                        candle::Error::from(QmoeError::InvalidArgument {
+                            argument: format!("expert {e} {name} projection"),
+                            reason: format!(
+                                "cannot be quantized to {dtype:?}: {}",
+                                crate::error::message_without_backtrace(&err)
+                            ),
+                        })
+                    })
+                };
+                Ok([q("gate", &x.gate)?, q("up", &x.up)?, q("down", &x.down)?])
+            })
             .collect::<candle::Result<Vec<_>>>()?;
         Ok(Self {
             experts,
