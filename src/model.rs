@@ -291,7 +291,15 @@ impl ModelArgs {
     /// The residency profile for `resident` experts per layer (`None`: no cache).
     fn residency_options(&self, resident: Option<Resident>) -> Result<Option<ResidencyOptions>> {
         let Some(resident) = resident else {
-            if self.prefetch || self.hybrid != HybridMode::Off || self.policy != PolicyKind::Lru {
+            let cache_flags =
+                self.prefetch || self.hybrid != HybridMode::Off || self.policy != PolicyKind::Lru;
+            if cache_flags && self.vram_budget.is_some() {
+                // The budget holds every expert: there is no cache for these flags to shape.
+                eprintln!(
+                    "note: every expert fits the budget, so no expert cache is made and \
+                     --policy, --prefetch and --hybrid have no effect"
+                );
+            } else if cache_flags {
                 bail!("--policy, --prefetch and --hybrid apply to an expert cache: add --resident N or --vram-budget");
             }
             return Ok(None);

@@ -271,3 +271,28 @@ fn a_vanishing_top_p_keeps_the_top_token() {
     );
     assert_eq!(text_of(&greedy), text_of(&nucleus));
 }
+
+/// Cache flags beside a budget that holds every expert: no cache is made and a note says the
+/// flags have no effect (they were refused, asking for the `--vram-budget` already given).
+/// Without a budget or `--resident` they are still refused.
+#[test]
+fn cache_flags_under_a_budget_that_holds_every_expert_are_noted() {
+    let base = ["--synthetic", "tiny", "--cpu", "-n", "2", "--prompt", "hi"];
+    let out = run(
+        "generate",
+        &[
+            &base[..],
+            &["--vram-budget", "1GiB", "--prefetch", "--policy", "lfu"],
+        ]
+        .concat(),
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("have no effect"), "{}", text(&out));
+    let out = run("generate", &[&base[..], &["--prefetch"]].concat());
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("apply to an expert cache"),
+        "{}",
+        text(&out)
+    );
+}
