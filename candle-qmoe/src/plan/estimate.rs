@@ -31,7 +31,8 @@ fn sum(terms: &[u64]) -> u64 {
     terms.iter().fold(0u64, |acc, &t| acc.saturating_add(t))
 }
 
-/// Where the model runs.
+/// Where the model runs. The default is [`Target::Cuda`], the VRAM budget the planner exists
+/// for; plan for the device you load on with [`Target::of`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Target {
     /// The CPU: every component lives in host memory and sums into the process RSS.
@@ -193,6 +194,8 @@ impl PlanOptions {
     }
 }
 
+/// Options for a CUDA target ([`Target::default`]); `PlanOptions::new(Target::of(&device))` plans
+/// for the device at hand.
 impl Default for PlanOptions {
     fn default() -> Self {
         Self::new(Target::default())
