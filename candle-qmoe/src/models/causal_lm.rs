@@ -8,8 +8,8 @@ use candle_nn::{embedding, Embedding, VarBuilder};
 use super::config::{ModelConfig, ModelSpec};
 use super::experts::ExpertsLoader;
 use super::layers::{
-    causal_mask, fused_attention, DecoderLayer, FeedForward, KvStore, RmsNorm, RotaryEmbedding,
-    SeqSpan,
+    causal_mask, fused_attention, scaled, DecoderLayer, FeedForward, KvStore, RmsNorm,
+    RotaryEmbedding, SeqSpan,
 };
 use crate::linear::{activation_dtype, DenseLinear};
 use crate::moe::ExpertTraffic;
@@ -366,10 +366,11 @@ impl MoeForCausalLm {
             .collect::<candle::Result<Vec<_>>>()?;
         let run = |parts: &mut [Part]| -> candle::Result<(Tensor, Vec<Tensor>)> {
             let ids = ids.to_dtype(DType::U32)?.to_device(&self.device)?;
-            let mut xs = self
+            let embedded = self
                 .embed_tokens
                 .forward(&ids)?
                 .to_dtype(self.activations)?;
+            let mut xs = scaled(embedded, self.spec.multipliers.embedding)?;
             let (b, n, _) = xs.dims3()?;
             let mut router_logits = Vec::new();
             for (l, layer) in self.layers.iter().enumerate() {
@@ -417,9 +418,11 @@ impl MoeForCausalLm {
     /// Final norm and `lm_head` of hidden states `[B, S, H]`: logits `[B, S, vocab]` (F32).
     fn logits(&self, xs: &Tensor) -> candle::Result<Tensor> {
         profile::time(profile::Part::LmHead, || {
-            self.lm_head
-                .forward(&self.norm.forward(xs)?)?
-                .to_dtype(DType::F32)
+            let logits = self.lm_head.forward(&self.norm.forward(xs)?)?;
+            scaled(
+                logits.to_dtype(DType::F32)?,
+                1.0 / self.spec.multipliers.logits_divisor,
+            )
         })
     }
 

@@ -11,7 +11,7 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 use safetensors::Dtype;
 
-use super::config::ModelConfig;
+use super::config::{ExpertTensor, ModelConfig};
 use super::AnyConfig;
 use crate::error::message_without_backtrace;
 use crate::pack::file::checkpoint_fingerprint;
@@ -218,8 +218,8 @@ pub fn fingerprint(dir: impl AsRef<Path>) -> crate::Result<String> {
         let mut experts: Vec<usize> = experts.collect();
         experts.dedup();
         for e in experts {
-            for name in m.names.expert_weights(layer, e) {
-                let data = st.get(&name)?.data;
+            for t in m.expert_tensors(layer, e) {
+                let data = st.expert_bytes(&t)?;
                 let at = (data.len() / 2).saturating_sub(EXPERT_SAMPLE_BYTES / 2);
                 samples.push(&data[at..(at + EXPERT_SAMPLE_BYTES).min(data.len())]);
             }
@@ -421,25 +421,122 @@ impl CheckpointTensors {
     /// from F32, BF16 or F16; another shape or dtype is a [`QmoeError::InvalidCheckpoint`].
     pub fn read_f32(&self, name: &str, shape: &[usize], out: &mut Vec<f32>) -> crate::Result<()> {
         let t = self.get(name)?;
-        let invalid = |reason: String| QmoeError::InvalidCheckpoint {
+        if t.shape != shape {
+            return Err(
+                self.invalid_tensor(name, format!("has shape {:?}, expected {shape:?}", t.shape))
+            );
+        }
+        self.convert_f32(name, t.dtype, t.data, out)
+    }
+
+    fn invalid_tensor(&self, name: impl std::fmt::Display, reason: String) -> QmoeError {
+        QmoeError::InvalidCheckpoint {
             dir: self.dir.clone(),
             reason: format!("tensor `{name}` {reason}"),
-        };
-        if t.shape != shape {
-            return Err(invalid(format!(
-                "has shape {:?}, expected {shape:?}",
-                t.shape
-            )));
         }
-        let n = shape.iter().product::<usize>();
-        out.resize(n, 0.0);
-        match t.dtype {
-            Dtype::F32 => convert(t.data, out, f32::from_le_bytes),
-            Dtype::BF16 => convert(t.data, out, |b| half::bf16::from_le_bytes(b).to_f32()),
-            Dtype::F16 => convert(t.data, out, |b| half::f16::from_le_bytes(b).to_f32()),
-            other => return Err(invalid(format!("is {other:?}, not F32, BF16 or F16"))),
+    }
+
+    /// `data` of `dtype` converted to F32 into `out` (resized to fit); `name` for errors.
+    fn convert_f32(
+        &self,
+        name: impl std::fmt::Display,
+        dtype: Dtype,
+        data: &[u8],
+        out: &mut Vec<f32>,
+    ) -> crate::Result<()> {
+        match dtype {
+            Dtype::F32 => convert(data, out, f32::from_le_bytes),
+            Dtype::BF16 => convert(data, out, |b| half::bf16::from_le_bytes(b).to_f32()),
+            Dtype::F16 => convert(data, out, |b| half::f16::from_le_bytes(b).to_f32()),
+            other => {
+                return Err(self.invalid_tensor(name, format!("is {other:?}, not F32, BF16 or F16")))
+            }
         }
         Ok(())
+    }
+
+    /// Where the `rows × cols` matrix of the expert projection `t` lies in its stored tensor:
+    /// the shard, the byte range and the dtype. A whole tensor must be `[rows, cols]`; a fused
+    /// one `[E, R, cols]` with the expert below `E` and the rows within `R`.
+    fn expert_range(
+        &self,
+        t: &ExpertTensor,
+        rows: usize,
+        cols: usize,
+    ) -> crate::Result<(usize, Range<usize>, Dtype)> {
+        let at = self.locate(&t.name)?;
+        let Some(f) = t.fused else {
+            if at.shape != [rows, cols] {
+                return Err(self.invalid_tensor(
+                    t,
+                    format!("has shape {:?}, expected {:?}", at.shape, [rows, cols]),
+                ));
+            }
+            return Ok((at.shard, at.range.clone(), at.dtype));
+        };
+        let fits = match at.shape[..] {
+            [e, r, c] => f.expert < e && f.first_row + rows <= r && c == cols,
+            _ => false,
+        };
+        if !fits {
+            return Err(self.invalid_tensor(
+                &t.name,
+                format!(
+                    "has shape {:?}; expert {} needs rows {}..{} of {cols} columns in a                      [experts, rows, {cols}] tensor",
+                    at.shape,
+                    f.expert,
+                    f.first_row,
+                    f.first_row + rows
+                ),
+            ));
+        }
+        let bytes = |elements: usize| elements * at.dtype.bitsize() / 8;
+        let start = at.range.start + bytes((f.expert * at.shape[1] + f.first_row) * cols);
+        Ok((at.shard, start..start + bytes(rows * cols), at.dtype))
+    }
+
+    /// The `rows × cols` expert projection `t` (see [`ExpertTensor`]) converted to F32 into
+    /// `out`; a tensor of another shape or dtype is a [`QmoeError::InvalidCheckpoint`].
+    pub fn read_expert_f32(
+        &self,
+        t: &ExpertTensor,
+        [rows, cols]: [usize; 2],
+        out: &mut Vec<f32>,
+    ) -> crate::Result<()> {
+        let (shard, range, dtype) = self.expert_range(t, rows, cols)?;
+        self.convert_f32(t, dtype, &self.shards[shard][range], out)
+    }
+
+    /// The stored bytes of the expert projection `t`: its whole tensor, or (fused) the
+    /// expert's part of it that starts at its first row and runs to the end of the expert's
+    /// matrix. The shape is not checked for a whole tensor.
+    pub fn expert_bytes(&self, t: &ExpertTensor) -> crate::Result<&[u8]> {
+        let at = self.locate(&t.name)?;
+        let Some(f) = t.fused else {
+            return Ok(&self.shards[at.shard][at.range.clone()]);
+        };
+        let [e, r, c] = at.shape[..] else {
+            return Err(self.invalid_tensor(
+                &t.name,
+                format!(
+                    "has shape {:?}, expected [experts, rows, columns]",
+                    at.shape
+                ),
+            ));
+        };
+        if f.expert >= e || f.first_row >= r {
+            return Err(self.invalid_tensor(
+                &t.name,
+                format!(
+                    "has shape {:?}, with no expert {} row {}",
+                    at.shape, f.expert, f.first_row
+                ),
+            ));
+        }
+        let bytes = |elements: usize| elements * at.dtype.bitsize() / 8;
+        let start = at.range.start + bytes((f.expert * r + f.first_row) * c);
+        let end = at.range.start + bytes((f.expert + 1) * r * c);
+        Ok(&self.shards[at.shard][start..end])
     }
 
     /// Asks the system to read the tensors `names` from disk now (a hint: it returns at once;
@@ -454,6 +551,30 @@ impl CheckpointTensors {
                 let _ = self.shards[t.shard].advise_range(advice, t.range.start, t.range.len());
             }
         }
+    }
+
+    /// Drops the pages of the `rows × cols` expert projection `t` from this process's memory
+    /// (see [`Self::release`]); a fused tensor's other experts keep theirs, but for the pages
+    /// they share with it.
+    pub fn release_expert(&self, t: &ExpertTensor, [rows, cols]: [usize; 2]) {
+        if let Ok((shard, range, _)) = self.expert_range(t, rows, cols) {
+            self.release_range(shard, range);
+        }
+    }
+
+    #[cfg(not(unix))]
+    fn release_range(&self, _shard: usize, _range: Range<usize>) {}
+
+    #[cfg(unix)]
+    fn release_range(&self, shard: usize, range: Range<usize>) {
+        // SAFETY: as in `release`.
+        let _ = unsafe {
+            self.shards[shard].unchecked_advise_range(
+                memmap2::UncheckedAdvice::DontNeed,
+                range.start,
+                range.len(),
+            )
+        };
     }
 
     /// Drops the pages of the tensors `names` from this process's memory (they stay in the
@@ -481,8 +602,10 @@ impl CheckpointTensors {
     }
 }
 
-/// Little-endian values of `N` bytes each, converted by `f`, into `out` (the loop vectorizes).
-fn convert<const N: usize>(data: &[u8], out: &mut [f32], f: impl Fn([u8; N]) -> f32) {
+/// Little-endian values of `N` bytes each, converted by `f`, into `out` (resized to fit; the
+/// loop vectorizes).
+fn convert<const N: usize>(data: &[u8], out: &mut Vec<f32>, f: impl Fn([u8; N]) -> f32) {
+    out.resize(data.len() / N, 0.0);
     for (o, b) in out.iter_mut().zip(data.chunks_exact(N)) {
         *o = f(b.try_into().expect("chunks of N bytes"));
     }

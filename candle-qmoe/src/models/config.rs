@@ -41,6 +41,9 @@ pub struct AttentionSpec {
     pub qk_norm: QkNorm,
     /// Clamp q, k and v to `[-c, c]` after the q/k norm (OLMoE's `clip_qkv`).
     pub clip_qkv: Option<f64>,
+    /// The factor of the attention scores `q·k`; `None` is `1 / sqrt(head_dim)` (GraniteMoE's
+    /// `attention_multiplier` replaces it).
+    pub scale: Option<f64>,
 }
 
 impl AttentionSpec {
@@ -52,6 +55,90 @@ impl AttentionSpec {
             o_bias: attention_bias,
             qk_norm,
             clip_qkv: None,
+            scale: None,
+        }
+    }
+
+    /// The factor of the attention scores for heads of `head_dim`: [`Self::scale`], else
+    /// `1 / sqrt(head_dim)`.
+    pub fn scale_for(&self, head_dim: usize) -> f64 {
+        self.scale.unwrap_or(1.0 / (head_dim as f64).sqrt())
+    }
+}
+
+/// The scalar multipliers some families put around the decoder stack (GraniteMoE's
+/// `embedding_multiplier`, `residual_multiplier` and `logits_scaling`); all 1 elsewhere.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Multipliers {
+    /// The token embeddings are multiplied by this before the first layer.
+    pub embedding: f64,
+    /// Each attention and feed-forward output is multiplied by this before it is added to
+    /// the residual stream.
+    pub residual: f64,
+    /// The logits are divided by this (transformers' `logits_scaling`).
+    pub logits_divisor: f64,
+}
+
+impl Multipliers {
+    /// No scaling: 1, 1, 1.
+    pub const NONE: Self = Self {
+        embedding: 1.0,
+        residual: 1.0,
+        logits_divisor: 1.0,
+    };
+}
+
+impl Default for Multipliers {
+    fn default() -> Self {
+        Self::NONE
+    }
+}
+
+/// How a MoE block stores its routed experts' weights in a checkpoint.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ExpertStorage {
+    /// One tensor per expert and projection: `experts.{e}.{gate,up,down}.weight`, with the
+    /// projection names of [`MoeNames::experts`] (OLMoE, Qwen-MoE, Mixtral).
+    #[default]
+    PerExpert,
+    /// Every expert of the block in two 3-D tensors: `{gate_up}.weight [E, 2I, H]`, each
+    /// expert's gate rows `0..I` then its up rows `I..2I`, and `{down}.weight [E, H, I]`
+    /// (GraniteMoE's `input_linear` and `output_linear`).
+    Fused {
+        /// The stacked gate and up projections, inside the block.
+        gate_up: &'static str,
+        /// The down projections, inside the block.
+        down: &'static str,
+    },
+}
+
+/// Where one expert projection lies in a checkpoint: a whole 2-D tensor, or rows of one
+/// expert of a fused 3-D tensor ([`ExpertStorage::Fused`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertTensor {
+    /// The stored tensor's full name.
+    pub name: String,
+    /// For a fused tensor `[E, R, C]`: the expert (index along the first dimension) and the
+    /// first of its rows that this projection takes.
+    pub fused: Option<FusedRows>,
+}
+
+/// A projection's place in a fused 3-D expert tensor (see [`ExpertTensor`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FusedRows {
+    /// The expert: the index along the tensor's first dimension.
+    pub expert: usize,
+    /// The projection's first row within the expert's matrix.
+    pub first_row: usize,
+}
+
+impl std::fmt::Display for ExpertTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.fused {
+            None => write!(f, "{}", self.name),
+            Some(FusedRows { expert, first_row }) => {
+                write!(f, "{}[{expert}] from row {first_row}", self.name)
+            }
         }
     }
 }
@@ -65,6 +152,11 @@ pub struct MoeNames {
     pub block: &'static str,
     /// The routed experts' projections.
     pub experts: ExpertNames,
+    /// The router inside the block (`gate`; GraniteMoE `router.layer`), whose `weight` is
+    /// `[E, H]`.
+    pub router: &'static str,
+    /// How the routed experts are stored.
+    pub storage: ExpertStorage,
 }
 
 impl MoeNames {
@@ -72,11 +164,32 @@ impl MoeNames {
     pub const MLP: Self = Self {
         block: "mlp",
         experts: ExpertNames::PROJ,
+        router: "gate",
+        storage: ExpertStorage::PerExpert,
     };
     /// `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.{w1,w3,w2}` (Mixtral).
     pub const MIXTRAL: Self = Self {
         block: "block_sparse_moe",
         experts: ExpertNames::MIXTRAL,
+        router: "gate",
+        storage: ExpertStorage::PerExpert,
+    };
+    /// `block_sparse_moe.router.layer`, every expert fused in `block_sparse_moe.input_linear`
+    /// (gate and up) and `block_sparse_moe.output_linear` (down) (GraniteMoE). The projection
+    /// names only name an expert's part in messages (`experts.{e}.gate`, as transformers 5
+    /// calls the fused tensors `experts.gate_up_proj` and `experts.down_proj`).
+    pub const GRANITE: Self = Self {
+        block: "block_sparse_moe",
+        experts: ExpertNames {
+            gate: "gate",
+            up: "up",
+            down: "down",
+        },
+        router: "router.layer",
+        storage: ExpertStorage::Fused {
+            gate_up: "input_linear",
+            down: "output_linear",
+        },
     };
 
     /// The MoE block of decoder layer `layer`: `model.layers.{layer}.{block}`.
@@ -86,13 +199,37 @@ impl MoeNames {
 
     /// The router weight of decoder layer `layer`.
     pub fn router_weight(&self, layer: usize) -> String {
-        format!("{}.gate.weight", self.block_prefix(layer))
+        format!("{}.{}.weight", self.block_prefix(layer), self.router)
     }
 
-    /// The weights of expert `e` of decoder layer `layer`: gate, up, down.
+    /// The weights of expert `e` of decoder layer `layer` when each expert has tensors of its
+    /// own ([`ExpertStorage::PerExpert`]): gate, up, down. For any storage use
+    /// [`Self::expert_tensors`].
     pub fn expert_weights(&self, layer: usize, e: usize) -> [String; 3] {
         let expert = ExpertNames::expert(&self.block_prefix(layer), e);
         self.experts.weights(&expert)
+    }
+
+    /// Where the gate `[I, H]`, up `[I, H]` and down `[H, I]` weights of expert `e` of decoder
+    /// layer `layer` lie, for experts of `intermediate` rows: what every reader of a
+    /// checkpoint's experts uses (the oracle, INT4 at load, the quantizer, the fingerprint).
+    pub fn expert_tensors(&self, layer: usize, e: usize, intermediate: usize) -> [ExpertTensor; 3] {
+        match self.storage {
+            ExpertStorage::PerExpert => self
+                .expert_weights(layer, e)
+                .map(|name| ExpertTensor { name, fused: None }),
+            ExpertStorage::Fused { gate_up, down } => {
+                let block = self.block_prefix(layer);
+                let at = |t: &str, first_row| ExpertTensor {
+                    name: format!("{block}.{t}.weight"),
+                    fused: Some(FusedRows {
+                        expert: e,
+                        first_row,
+                    }),
+                };
+                [at(gate_up, 0), at(gate_up, intermediate), at(down, 0)]
+            }
+        }
     }
 }
 
@@ -111,6 +248,13 @@ pub struct MoeSpec {
     pub shared_intermediate_size: Option<usize>,
     /// The tensor names of the block.
     pub names: MoeNames,
+}
+
+impl MoeSpec {
+    /// [`MoeNames::expert_tensors`] of expert `e` of decoder layer `layer`.
+    pub fn expert_tensors(&self, layer: usize, e: usize) -> [ExpertTensor; 3] {
+        self.names.expert_tensors(layer, e, self.intermediate_size)
+    }
 }
 
 /// The feed-forward part of one decoder layer.
@@ -151,6 +295,8 @@ pub struct ModelSpec {
     pub tie_word_embeddings: bool,
     /// Attention options.
     pub attention: AttentionSpec,
+    /// Scalars around the decoder stack (all 1 but for GraniteMoE).
+    pub multipliers: Multipliers,
     /// One entry per decoder layer.
     pub layers: Vec<FfnSpec>,
 }
@@ -253,6 +399,21 @@ impl ModelSpec {
                     "clip_qkv",
                     c,
                     "must be a positive number",
+                ));
+            }
+        }
+        let m = &self.multipliers;
+        for (name, v) in [
+            ("attention_multiplier", self.attention.scale.unwrap_or(1.0)),
+            ("embedding_multiplier", m.embedding),
+            ("residual_multiplier", m.residual),
+            ("logits_scaling", m.logits_divisor),
+        ] {
+            if !(v.is_finite() && v != 0.0) {
+                return Err(QmoeError::unsupported(
+                    name,
+                    v,
+                    "must be a finite, non-zero number",
                 ));
             }
         }
@@ -561,6 +722,7 @@ impl CommonConfig {
                 .unwrap_or(defaults.max_position_embeddings),
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
             attention,
+            multipliers: Multipliers::NONE,
             layers: (0..self.num_hidden_layers).map(layer).collect(),
         };
         spec.validate()?;

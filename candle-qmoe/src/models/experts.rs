@@ -4,12 +4,15 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use candle::DType;
+use candle::{DType, Tensor};
 use candle_nn::VarBuilder;
+
+use super::config::ExpertStorage;
 
 use crate::kernels::cpu::DecodeActivations;
 use crate::pack::{
-    ExpertLayout, ExpertNames, ExpertWeights, GroupSize, LayerPack, PackFile, ScaleSearch,
+    DenseExpert, ExpertLayout, ExpertNames, ExpertWeights, GroupSize, LayerPack, PackFile,
+    ScaleSearch,
 };
 use crate::residency::{Residency, ResidencyOptions};
 use crate::{DenseExperts, Int4Experts, RoutedExperts, SparseMoe};
@@ -29,6 +32,72 @@ pub struct ExpertDims {
     pub top_k: usize,
     /// What the checkpoint calls the experts' projections.
     pub names: ExpertNames,
+    /// How the checkpoint stores them (one tensor per expert, or fused 3-D tensors).
+    pub storage: ExpertStorage,
+}
+
+/// The dense experts of one MoE block as a checkpoint stores them, read through the block's
+/// VarBuilder: one expert at a time ([`ExpertStorage::PerExpert`]), or the block's two fused
+/// 3-D tensors read once and cut per expert ([`ExpertStorage::Fused`]; each expert is a view
+/// of them, no copy).
+pub enum BlockExperts<'a> {
+    /// `experts.{e}.{gate,up,down}.weight`.
+    PerExpert(ExpertDims, VarBuilder<'a>),
+    /// `gate_up [E, 2I, H]` and `down [E, H, I]`.
+    Fused {
+        /// The experts' shape.
+        dims: ExpertDims,
+        /// Every expert's gate rows then up rows.
+        gate_up: Tensor,
+        /// Every expert's down projection.
+        down: Tensor,
+    },
+}
+
+impl<'a> BlockExperts<'a> {
+    /// The experts of the block `vb` (the MoE block's VarBuilder) with the shape and storage in
+    /// `dims`; fused tensors are read (and converted to `vb`'s dtype) here, once.
+    pub fn open(dims: ExpertDims, vb: VarBuilder<'a>) -> candle::Result<Self> {
+        let (h, i, n) = (dims.hidden, dims.intermediate, dims.num_experts);
+        Ok(match dims.storage {
+            ExpertStorage::PerExpert => Self::PerExpert(dims, vb),
+            ExpertStorage::Fused { gate_up, down } => Self::Fused {
+                dims,
+                gate_up: vb.pp(gate_up).get((n, 2 * i, h), "weight")?,
+                down: vb.pp(down).get((n, h, i), "weight")?,
+            },
+        })
+    }
+
+    /// Expert `e`'s gate `[I, H]`, up `[I, H]` and down `[H, I]`.
+    pub fn expert(&self, e: usize) -> candle::Result<DenseExpert> {
+        match self {
+            Self::PerExpert(d, vb) => {
+                SparseMoe::load_dense_expert(d.hidden, d.intermediate, e, d.names, vb.clone())
+            }
+            Self::Fused {
+                dims,
+                gate_up,
+                down,
+            } => {
+                let i = dims.intermediate;
+                let gu = gate_up.get(e)?;
+                Ok(DenseExpert {
+                    gate: gu.narrow(0, 0, i)?,
+                    up: gu.narrow(0, i, i)?,
+                    down: down.get(e)?,
+                })
+            }
+        }
+    }
+
+    /// Every expert, in order.
+    pub fn all(&self) -> candle::Result<Vec<DenseExpert>> {
+        let n = match self {
+            Self::PerExpert(d, _) | Self::Fused { dims: d, .. } => d.num_experts,
+        };
+        (0..n).map(|e| self.expert(e)).collect()
+    }
 }
 
 /// Builds the routed-experts backend of one MoE layer.
@@ -76,7 +145,7 @@ impl ExpertsLoader for ExpertsBackend {
     fn load(&self, dims: ExpertDims, vb: VarBuilder) -> candle::Result<Arc<dyn RoutedExperts>> {
         let (h, i, n, names) = (dims.hidden, dims.intermediate, dims.num_experts, dims.names);
         let dense = |vb| -> candle::Result<Arc<dyn RoutedExperts>> {
-            let experts = SparseMoe::load_dense_experts(h, i, n, names, vb)?;
+            let experts = BlockExperts::open(dims, vb)?.all()?;
             Ok(Arc::new(DenseExperts::new(experts)?))
         };
         match *self {
@@ -88,10 +157,10 @@ impl ExpertsLoader for ExpertsBackend {
                     intermediate: i,
                     group_size,
                 };
-                let vb32 = vb.to_dtype(DType::F32);
                 let block = vb.prefix();
+                let experts = BlockExperts::open(dims, vb.to_dtype(DType::F32))?;
                 let read = |e, w: &mut ExpertWeights| {
-                    let dense = SparseMoe::load_dense_expert(h, i, e, names, vb32.clone())?;
+                    let dense = experts.expert(e)?;
                     w.read_dense(&ExpertNames::expert(&block, e), names, &dense, layout)
                 };
                 let pack =

@@ -370,6 +370,8 @@ pub struct Attention {
     /// The q/k norms apply to each head ([`QkNorm::PerHead`]), not the whole projection.
     per_head_norm: bool,
     clip_qkv: Option<f64>,
+    /// The factor of the scores `q·k` ([`super::AttentionSpec::scale_for`]).
+    scale: f64,
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
@@ -412,6 +414,7 @@ impl Attention {
             k_norm,
             per_head_norm: a.qk_norm == QkNorm::PerHead,
             clip_qkv: a.clip_qkv,
+            scale: a.scale_for(hd),
             num_heads: spec.num_heads,
             num_kv_heads: spec.num_kv_heads,
             head_dim: hd,
@@ -511,8 +514,7 @@ impl Attention {
             );
         }
         cache.append(&k, &v, s);
-        let scale = 1.0 / (d as f32).sqrt();
-        let out = attend(&q, cache, s, self.num_heads, scale);
+        let out = attend(&q, cache, s, self.num_heads, self.scale as f32);
         Tensor::from_vec(out, (b, s, self.num_heads * d), &Device::Cpu)
     }
 
@@ -547,8 +549,7 @@ impl Attention {
         let k = repeat_kv(k, n_rep)?;
         let v = repeat_kv(v, n_rep)?;
         let dtype = q.dtype();
-        let scale = 1.0 / (self.head_dim as f64).sqrt();
-        let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
+        let scores = (q.matmul(&k.t()?)? * self.scale)?.to_dtype(DType::F32)?;
         let scores = match span.mask {
             Some(m) => scores.broadcast_add(m)?,
             None => scores,
@@ -614,7 +615,7 @@ impl FeedForward {
             )?)),
             FfnSpec::Moe(m) => {
                 let vb = vb.pp(m.names.block);
-                let router = SparseMoe::load_router(h, m.num_experts, vb.clone())?;
+                let router = DenseLinear::load_no_bias(h, m.num_experts, vb.pp(m.names.router))?;
                 let shared = m
                     .shared_intermediate_size
                     .map(|si| SharedExpert::new(h, si, vb.clone()))
@@ -626,6 +627,7 @@ impl FeedForward {
                     num_experts: m.num_experts,
                     top_k: m.top_k,
                     names: m.names.experts,
+                    storage: m.names.storage,
                 };
                 let routed = experts.load(dims, vb)?;
                 Ok(Self::Moe(SparseMoe::new(
@@ -665,13 +667,25 @@ impl FeedForward {
     }
 }
 
-/// A pre-norm decoder layer: `x + attn(norm(x))`, then `x + ffn(norm(x))`.
+/// A pre-norm decoder layer: `x + r · attn(norm(x))`, then `x + r · ffn(norm(x))`, `r` the
+/// spec's residual multiplier (1 but for GraniteMoE).
 #[derive(Clone, Debug)]
 pub struct DecoderLayer {
     input_layernorm: RmsNorm,
     self_attn: Attention,
     post_attention_layernorm: RmsNorm,
     mlp: FeedForward,
+    residual: f64,
+}
+
+/// `xs · factor`, or `xs` itself when `factor` is 1 (no extra pass, and the same bits as a
+/// model without the factor).
+pub fn scaled(xs: Tensor, factor: f64) -> candle::Result<Tensor> {
+    if factor == 1.0 {
+        Ok(xs)
+    } else {
+        xs.affine(factor, 0.0)
+    }
 }
 
 impl DecoderLayer {
@@ -689,6 +703,7 @@ impl DecoderLayer {
             self_attn: Attention::new(spec, rotary, vb.pp("self_attn"))?,
             post_attention_layernorm: RmsNorm::new(h, eps, vb.pp("post_attention_layernorm"))?,
             mlp: FeedForward::new(spec, layer, experts, vb)?,
+            residual: spec.multipliers.residual,
         })
     }
 
@@ -703,12 +718,13 @@ impl DecoderLayer {
         let normed = profile::time(norms, || self.input_layernorm.forward(xs))?;
         let attn = self.self_attn.forward(&normed, spans)?;
         let (xs, normed) = profile::time(norms, || -> candle::Result<_> {
-            let xs = (xs + attn)?;
+            let xs = (xs + scaled(attn, self.residual)?)?;
             let normed = self.post_attention_layernorm.forward(&xs)?;
             Ok((xs, normed))
         })?;
         let (ffn, router_logits) = self.mlp.forward(&normed)?;
-        Ok((profile::time(norms, || xs + ffn)?, router_logits))
+        let out = profile::time(norms, || xs + scaled(ffn, self.residual)?)?;
+        Ok((out, router_logits))
     }
 
     /// Puts the layer's projections in INT8: attention, a dense MLP or a shared expert (routers

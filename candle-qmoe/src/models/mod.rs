@@ -42,10 +42,10 @@ pub use checkpoint::{
     checkpoint_files, fingerprint, mmap_checkpoint, stored_decoder_layers, CheckpointTensors,
 };
 pub use config::{
-    AttentionSpec, CommonConfig, FamilyDefaults, FfnSpec, ModelConfig, ModelSpec, MoeNames,
-    MoeSpec, QkNorm,
+    AttentionSpec, CommonConfig, ExpertStorage, ExpertTensor, FamilyDefaults, FfnSpec, FusedRows,
+    ModelConfig, ModelSpec, MoeNames, MoeSpec, Multipliers, QkNorm,
 };
-pub use experts::{ExpertDims, ExpertsBackend, ExpertsLoader, PackedExperts};
+pub use experts::{BlockExperts, ExpertDims, ExpertsBackend, ExpertsLoader, PackedExperts};
 pub use quantize::{quantize_checkpoint, quantize_checkpoint_to_file, QuantizeOptions};
 
 use crate::QmoeError;

@@ -13,7 +13,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::checkpoint::{checkpoint_files, fingerprint, CheckpointTensors, INDEX_FILE};
-use super::config::{ModelConfig, MoeSpec};
+use super::config::{ExpertTensor, ModelConfig, MoeSpec};
 use super::AnyConfig;
 use crate::pack::{
     ExpertLayout, ExpertWeights, GroupSize, LayerPack, PackFile, PackMeta, PackWriter, ScaleSearch,
@@ -95,23 +95,27 @@ impl Quantizer {
         let l = self.meta.layout;
         let (h, i) = (l.hidden, l.intermediate);
         let moe_names = self.moe.names;
-        let names: Vec<[String; 3]> = (0..self.moe.num_experts)
-            .map(|e| moe_names.expert_weights(layer, e))
+        let tensors: Vec<[ExpertTensor; 3]> = (0..self.moe.num_experts)
+            .map(|e| self.moe.expert_tensors(layer, e))
             .collect();
         // Every expert's tensors exist before the layer's memory is taken (header lookups, no
         // data read): a config naming more experts than the checkpoint holds is refused by name,
         // looked up from the last expert so the name shows the count the config claims.
-        for name in names.iter().rev().flatten() {
-            self.tensors.get(name)?;
+        for t in tensors.iter().rev().flatten() {
+            self.tensors.get(&t.name)?;
         }
-        self.tensors
-            .prefetch(names.iter().flatten().map(String::as_str));
+        let mut names: Vec<&str> = tensors.iter().flatten().map(|t| t.name.as_str()).collect();
+        names.dedup();
+        self.tensors.prefetch(names);
+        let shapes = [[i, h], [i, h], [h, i]];
         let read = |e: usize, w: &mut ExpertWeights| {
-            let [gate, up, down] = &names[e];
-            self.tensors.read_f32(gate, &[i, h], &mut w.gate)?;
-            self.tensors.read_f32(up, &[i, h], &mut w.up)?;
-            self.tensors.read_f32(down, &[h, i], &mut w.down)?;
-            self.tensors.release(names[e].iter().map(String::as_str));
+            let [gate, up, down] = &tensors[e];
+            self.tensors.read_expert_f32(gate, shapes[0], &mut w.gate)?;
+            self.tensors.read_expert_f32(up, shapes[1], &mut w.up)?;
+            self.tensors.read_expert_f32(down, shapes[2], &mut w.down)?;
+            for (t, shape) in tensors[e].iter().zip(shapes) {
+                self.tensors.release_expert(t, shape);
+            }
             Ok(())
         };
         let block = moe_names.block_prefix(layer);

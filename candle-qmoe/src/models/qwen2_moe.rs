@@ -124,6 +124,7 @@ impl ModelConfig for Config {
             o_bias: false,
             qk_norm: QkNorm::None,
             clip_qkv: None,
+            scale: None,
         };
         let shared = Some(self.shared_expert_intermediate_size);
         self.layers
