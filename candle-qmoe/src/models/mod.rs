@@ -1,8 +1,8 @@
-//! Candle-style ports of OLMoE, Qwen2-MoE, Qwen3-MoE and Mixtral whose MoE blocks are
-//! [`crate::SparseMoe`] with a swappable routed-experts backend.
+//! Candle-style ports of OLMoE, Qwen2-MoE, Qwen3-MoE, Mixtral and GraniteMoE whose MoE blocks
+//! are [`crate::SparseMoe`] with a swappable routed-experts backend.
 //!
-//! The ports are thin: [`olmoe::Config`], [`qwen2_moe::Config`], [`qwen3_moe::Config`] and
-//! [`mixtral::Config`] read a Hugging Face `config.json` and map it onto a [`ModelSpec`]; one
+//! The ports are thin: [`olmoe::Config`], [`qwen2_moe::Config`], [`qwen3_moe::Config`],
+//! [`mixtral::Config`] and [`granitemoe::Config`] read a Hugging Face `config.json` and map it onto a [`ModelSpec`]; one
 //! trunk, [`MoeForCausalLm`], built from the shared [`layers`], runs any of them. The routed
 //! experts of each MoE layer come from an [`ExpertsLoader`], e.g. [`ExpertsBackend::Dense`] (the
 //! oracle) or [`ExpertsBackend::Int4`].
@@ -27,6 +27,7 @@ pub mod causal_lm;
 pub mod checkpoint;
 pub mod config;
 pub mod experts;
+pub mod granitemoe;
 pub mod layers;
 pub mod mixtral;
 pub mod olmoe;
@@ -51,19 +52,21 @@ pub use quantize::{quantize_checkpoint, quantize_checkpoint_to_file, QuantizeOpt
 use crate::QmoeError;
 
 /// The `model_type`s the ports support.
-pub const SUPPORTED_MODEL_TYPES: [&str; 4] = [
+pub const SUPPORTED_MODEL_TYPES: [&str; 5] = [
     olmoe::MODEL_TYPE,
     qwen2_moe::MODEL_TYPE,
     qwen3_moe::MODEL_TYPE,
     mixtral::MODEL_TYPE,
+    granitemoe::MODEL_TYPE,
 ];
 
 /// The `architectures` entry of each supported family, in [`SUPPORTED_MODEL_TYPES`]' order.
-const ARCHITECTURES: [&str; 4] = [
+const ARCHITECTURES: [&str; 5] = [
     olmoe::ARCHITECTURE,
     qwen2_moe::ARCHITECTURE,
     qwen3_moe::ARCHITECTURE,
     mixtral::ARCHITECTURE,
+    granitemoe::ARCHITECTURE,
 ];
 
 /// Parses a `config.json` text into a port's config; `what` names the port in errors.
@@ -123,6 +126,8 @@ pub enum AnyConfig {
     Qwen3Moe(qwen3_moe::Config),
     /// A Mixtral config.
     Mixtral(mixtral::Config),
+    /// A GraniteMoE config.
+    GraniteMoe(granitemoe::Config),
 }
 
 impl AnyConfig {
@@ -168,6 +173,9 @@ impl AnyConfig {
             qwen2_moe::MODEL_TYPE => Ok(Self::Qwen2Moe(qwen2_moe::Config::from_json_str(json)?)),
             qwen3_moe::MODEL_TYPE => Ok(Self::Qwen3Moe(qwen3_moe::Config::from_json_str(json)?)),
             mixtral::MODEL_TYPE => Ok(Self::Mixtral(mixtral::Config::from_json_str(json)?)),
+            granitemoe::MODEL_TYPE => {
+                Ok(Self::GraniteMoe(granitemoe::Config::from_json_str(json)?))
+            }
             other => Err(QmoeError::unsupported(
                 "model_type",
                 other,
@@ -192,6 +200,7 @@ impl AnyConfig {
             Self::Qwen2Moe(_) => qwen2_moe::MODEL_TYPE,
             Self::Qwen3Moe(_) => qwen3_moe::MODEL_TYPE,
             Self::Mixtral(_) => mixtral::MODEL_TYPE,
+            Self::GraniteMoe(_) => granitemoe::MODEL_TYPE,
         }
     }
 
@@ -202,6 +211,7 @@ impl AnyConfig {
             Self::Qwen2Moe(c) => (&c.common, c),
             Self::Qwen3Moe(c) => (&c.common, c),
             Self::Mixtral(c) => (&c.common, c),
+            Self::GraniteMoe(c) => (&c.common, c),
         }
     }
 
