@@ -214,11 +214,12 @@ pub fn rel_err<A: Copy + Into<f64>, B: Copy + Into<f64>>(a: &[A], b: &[B]) -> f6
 
 /// The checked-in fixtures (`tests/fixtures/{name}`, docs/architecture.md §7), one per supported
 /// family, in the order of `candle_qmoe::models::SUPPORTED_MODEL_TYPES`.
-pub const FIXTURES: [&str; 4] = [
+pub const FIXTURES: [&str; 5] = [
     "olmoe-tiny",
     "qwen2moe-tiny",
     "qwen3moe-tiny",
     "mixtral-tiny",
+    "granitemoe-tiny",
 ];
 
 /// The folder of a checked-in test fixture (`tests/fixtures/{name}`).

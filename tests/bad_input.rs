@@ -649,7 +649,7 @@ fn fuzz_checkpoint_file(
 /// always had).
 #[test]
 fn damaged_configs_are_refused_naming_the_file() {
-    for (stream, fixture) in [2, 10, 11, 12].into_iter().zip(FIXTURES) {
+    for (stream, fixture) in [2, 10, 11, 12, 13].into_iter().zip(FIXTURES) {
         let cases = iterations(250);
         fuzz_checkpoint_file(fixture, "config.json", stream, cases, mutate_config);
     }

@@ -327,7 +327,7 @@ fn real_model_configs_match_synthetic_shapes() {
 
 /// For every family the predicted non-expert weights are the checkpoint's tensors other than
 /// the routed experts (whatever the family calls them: per-head q/k norms, Mixtral's
-/// `block_sparse_moe`, shared experts), counted from the safetensors header, plus the two RoPE
+/// `block_sparse_moe`, GraniteMoE's fused `input_linear`/`output_linear`, shared experts), counted from the safetensors header, plus the two RoPE
 /// tables `[max_position_embeddings, head_dim / 2]`, all in BF16.
 #[test]
 fn non_expert_weights_are_the_checkpoints_tensors() {
@@ -335,10 +335,16 @@ fn non_expert_weights_are_the_checkpoints_tensors() {
         let s = spec(fixture);
         let file = std::fs::read(fixture_dir(fixture).join("model.safetensors")).unwrap();
         let (_, header) = safetensors::SafeTensors::read_metadata(&file).unwrap();
+        // The experts' tensors as the spec names them (one per expert, or fused per layer).
+        let experts: std::collections::HashSet<String> = s
+            .moe_blocks()
+            .flat_map(|(l, m)| (0..m.num_experts).flat_map(move |e| m.expert_tensors(l, e)))
+            .map(|t| t.name)
+            .collect();
         let stored: usize = header
             .tensors()
             .iter()
-            .filter(|(name, _)| !name.contains(".experts."))
+            .filter(|(name, _)| !experts.contains(name.as_str()))
             .map(|(_, t)| t.shape.iter().product::<usize>())
             .sum();
         let rope = s.max_position_embeddings * s.head_dim;
