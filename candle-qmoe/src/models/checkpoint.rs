@@ -218,8 +218,13 @@ pub fn fingerprint(dir: impl AsRef<Path>) -> crate::Result<String> {
         let mut experts: Vec<usize> = experts.collect();
         experts.dedup();
         for e in experts {
-            for t in m.expert_tensors(layer, e) {
-                let data = st.expert_bytes(&t)?;
+            let (h, i) = (spec.hidden_size, m.intermediate_size);
+            for (t, shape) in m
+                .expert_tensors(layer, e)
+                .iter()
+                .zip([[i, h], [i, h], [h, i]])
+            {
+                let data = st.expert_bytes(t, shape)?;
                 let at = (data.len() / 2).saturating_sub(EXPERT_SAMPLE_BYTES / 2);
                 samples.push(&data[at..(at + EXPERT_SAMPLE_BYTES).min(data.len())]);
             }
@@ -507,36 +512,15 @@ impl CheckpointTensors {
         self.convert_f32(t, dtype, &self.shards[shard][range], out)
     }
 
-    /// The stored bytes of the expert projection `t`: its whole tensor, or (fused) the
-    /// expert's part of it that starts at its first row and runs to the end of the expert's
-    /// matrix. The shape is not checked for a whole tensor.
-    pub fn expert_bytes(&self, t: &ExpertTensor) -> crate::Result<&[u8]> {
-        let at = self.locate(&t.name)?;
-        let Some(f) = t.fused else {
-            return Ok(&self.shards[at.shard][at.range.clone()]);
-        };
-        let [e, r, c] = at.shape[..] else {
-            return Err(self.invalid_tensor(
-                &t.name,
-                format!(
-                    "has shape {:?}, expected [experts, rows, columns]",
-                    at.shape
-                ),
-            ));
-        };
-        if f.expert >= e || f.first_row >= r {
-            return Err(self.invalid_tensor(
-                &t.name,
-                format!(
-                    "has shape {:?}, with no expert {} row {}",
-                    at.shape, f.expert, f.first_row
-                ),
-            ));
+    /// The stored bytes of the `rows × cols` expert projection `t`: its whole tensor (whose
+    /// shape is not checked here), or its rows of a fused tensor (checked as in
+    /// [`Self::read_expert_f32`]).
+    pub fn expert_bytes(&self, t: &ExpertTensor, [rows, cols]: [usize; 2]) -> crate::Result<&[u8]> {
+        if t.fused.is_none() {
+            return Ok(self.get(&t.name)?.data);
         }
-        let bytes = |elements: usize| elements * at.dtype.bitsize() / 8;
-        let start = at.range.start + bytes((f.expert * r + f.first_row) * c);
-        let end = at.range.start + bytes((f.expert + 1) * r * c);
-        Ok(&self.shards[at.shard][start..end])
+        let (shard, range, _) = self.expert_range(t, rows, cols)?;
+        Ok(&self.shards[shard][range])
     }
 
     /// Asks the system to read the tensors `names` from disk now (a hint: it returns at once;
