@@ -1008,10 +1008,30 @@ fn a_mixtral_config_without_experts_names_num_local_experts() {
 
 /// A pack made before the checkpoint's experts were changed in place (same config.json, same
 /// routers) is refused: the fingerprint samples the expert weights. Every expert weight of the
-/// OLMoE fixture zeroed, and separately 8 bytes flipped in the middle of one sampled weight.
+/// OLMoE and GraniteMoE fixtures zeroed, and separately 8 bytes flipped in the middle of one
+/// sampled weight (GraniteMoE's: expert 0's down projection, inside the fused `output_linear`).
 #[test]
 fn a_pack_of_experts_changed_since_is_refused() {
-    let dir = checkpoint_copy("olmoe-tiny", "experts-changed");
+    for (fixture, flip, experts) in [
+        (
+            "olmoe-tiny",
+            "model.layers.1.mlp.experts.0.down_proj.weight",
+            1,
+        ),
+        (
+            "granitemoe-tiny",
+            "model.layers.1.block_sparse_moe.output_linear.weight",
+            8,
+        ),
+    ] {
+        experts_changed_since_the_pack(fixture, flip, experts);
+    }
+}
+
+/// [`a_pack_of_experts_changed_since_is_refused`] on `fixture`, flipping bytes of `flip` in the
+/// middle of its first `1 / experts` (expert 0's matrix in a fused tensor).
+fn experts_changed_since_the_pack(fixture: &str, flip: &str, experts: usize) {
+    let dir = checkpoint_copy(fixture, "experts-changed");
     let pack = dir.join("tiny.qmoe");
     let opts = models::QuantizeOptions::default();
     models::quantize_checkpoint_to_file(&dir, &pack, &opts, &|_, _| {}).unwrap();
@@ -1030,19 +1050,17 @@ fn a_pack_of_experts_changed_since_is_refused() {
         change(&mut st);
         st.to_bytes()
     };
+    let is_expert = |n: &str| n.contains(".experts.") || n.ends_with("_linear.weight");
     let zeroed = changed(&|st| {
-        let experts = st
-            .tensor_names()
-            .into_iter()
-            .filter(|n| n.contains(".experts."));
-        for name in experts.collect::<Vec<_>>() {
+        let names = st.tensor_names().into_iter().filter(|n| is_expert(n));
+        for name in names.collect::<Vec<_>>() {
             let r = st.range(&name);
             st.data[r].fill(0);
         }
     });
     let flipped = changed(&|st| {
-        let r = st.range("model.layers.1.mlp.experts.0.down_proj.weight");
-        let mid = r.start + r.len() / 2;
+        let r = st.range(flip);
+        let mid = r.start + r.len() / experts / 2;
         st.data[mid - 4..mid + 4]
             .iter_mut()
             .for_each(|b| *b ^= 0x55);
@@ -1053,9 +1071,12 @@ fn a_pack_of_experts_changed_since_is_refused() {
         assert!(
             matches!(&e, QmoeError::PackMismatch { reason, .. }
                 if reason.contains("expert weights changed since this pack was made")),
-            "{what}: {e}"
+            "{fixture} {what}: {e}"
         );
-        assert!(e.to_string().contains("re-run quantize"), "{what}: {e}");
+        assert!(
+            e.to_string().contains("re-run quantize"),
+            "{fixture} {what}: {e}"
+        );
     }
     std::fs::write(&st_path, &original).unwrap();
     check().unwrap();

@@ -10,9 +10,9 @@ use candle::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_qmoe::kernels::cpu::{DecodeActivations, W4A8_MIN_TOKENS};
 use candle_qmoe::models::{
-    self, granitemoe, mixtral, olmoe, qwen2_moe, qwen3_moe, AnyConfig, ExpertsBackend,
-    ExpertsLoader, FfnSpec, ModelConfig, MoeForCausalLm, MoeNames, PackedExperts, QkNorm,
-    QuantizeOptions,
+    self, granitemoe, mixtral, olmoe, qwen2_moe, qwen3_moe, AnyConfig, ExpertTensor,
+    ExpertsBackend, ExpertsLoader, FfnSpec, FusedRows, ModelConfig, MoeForCausalLm, MoeNames,
+    Multipliers, PackedExperts, QkNorm, QuantizeOptions,
 };
 use candle_qmoe::parity::{
     compare_prompt, greedy_continuation, logit_agreement, topk_sets, Golden, ParityBounds,
@@ -408,6 +408,18 @@ fn missing_tensor_is_named() {
             "mixtral-tiny",
             "model.layers.1.block_sparse_moe.gate.weight",
         ),
+        (
+            "granitemoe-tiny",
+            "model.layers.1.block_sparse_moe.input_linear.weight",
+        ),
+        (
+            "granitemoe-tiny",
+            "model.layers.0.block_sparse_moe.output_linear.weight",
+        ),
+        (
+            "granitemoe-tiny",
+            "model.layers.0.block_sparse_moe.router.layer.weight",
+        ),
     ] {
         let mut ts = fixture_tensors(name);
         assert!(ts.remove(missing).is_some());
@@ -680,6 +692,57 @@ fn config_spellings_and_defaults() {
             "model.layers.1.block_sparse_moe.experts.7.w2.weight",
         ]
     );
+    // GraniteMoE: Mixtral's routing, its own router and fused expert tensors, the four
+    // multipliers; absent, each is 1 (transformers' defaults: `attention_multiplier` too, not
+    // 1 / sqrt(head_dim)); a zero one is refused by name.
+    let spec = spec_ok(&config_json("granitemoe-tiny"));
+    let moe = spec.uniform_moe().unwrap();
+    assert!(moe.norm_topk_prob && moe.names == MoeNames::GRANITE && spec.tie_word_embeddings);
+    assert_eq!(spec.attention.scale, Some(0.0625));
+    assert_eq!(
+        spec.multipliers,
+        Multipliers {
+            embedding: 0.4,
+            residual: 1.6,
+            logits_divisor: 1.25
+        }
+    );
+    assert_eq!(
+        MoeNames::GRANITE.router_weight(1),
+        "model.layers.1.block_sparse_moe.router.layer.weight"
+    );
+    let at = |name: &str, expert, first_row| ExpertTensor {
+        name: format!("model.layers.1.block_sparse_moe.{name}.weight"),
+        fused: Some(FusedRows { expert, first_row }),
+    };
+    assert_eq!(
+        moe.expert_tensors(1, 7),
+        [
+            at("input_linear", 7, 0),
+            at("input_linear", 7, 192),
+            at("output_linear", 7, 0)
+        ]
+    );
+    let json = edit_config("granitemoe-tiny", |v| {
+        let o = v.as_object_mut().unwrap();
+        for key in [
+            "embedding_multiplier",
+            "residual_multiplier",
+            "attention_multiplier",
+            "logits_scaling",
+        ] {
+            o.remove(key);
+        }
+    });
+    let spec = spec_ok(&json);
+    assert_eq!(
+        (spec.multipliers, spec.attention.scale),
+        (Multipliers::NONE, Some(1.0))
+    );
+    for key in ["logits_scaling", "residual_multiplier"] {
+        let e = spec_error(&edit_config("granitemoe-tiny", |v| v[key] = 0.0.into()));
+        refused(e, key, "0");
+    }
 }
 
 /// A Qwen2-MoE or Qwen3-MoE whose layer 1 is dense (`mlp_only_layers`) loads the dense MLP
