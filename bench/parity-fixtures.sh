@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fidelity of every port against its transformers golden: `parity` on each tests/fixtures/*-tiny
-# checkpoint with every experts backend (f32, bf16, int4) and compute dtype (f32, bf16), 24 runs,
+# checkpoint with every experts backend (f32, bf16, int4) and compute dtype (f32, bf16), six runs each,
 # gathered into one JSON file naming the device, the commit and the command of each run.
 #
 #   bash bench/parity-fixtures.sh [OUT]    (default bench/results/parity-fixtures-<commit>.json)
@@ -14,7 +14,7 @@ if [ -n "$(git status --porcelain --untracked-files=no)" ]; then commit="$commit
 out=${1:-bench/results/parity-fixtures-$commit.json}
 
 cargo build --release --example parity
-bin=target/release/examples/parity
+bin=${CARGO_TARGET_DIR:-target}/release/examples/parity
 runs=$(mktemp -d)
 trap 'rm -rf "$runs"' EXIT
 

@@ -487,7 +487,8 @@ impl CheckpointTensors {
             return Err(self.invalid_tensor(
                 &t.name,
                 format!(
-                    "has shape {:?}; expert {} needs rows {}..{} of {cols} columns in a                      [experts, rows, {cols}] tensor",
+                    "has shape {:?}; expert {} needs rows {}..{} of {cols} columns in an \
+                     [experts, rows, {cols}] tensor",
                     at.shape,
                     f.expert,
                     f.first_row,

@@ -104,7 +104,9 @@ impl Quantizer {
         for t in tensors.iter().rev().flatten() {
             self.tensors.get(&t.name)?;
         }
+        // Fused experts share their tensors: each name once.
         let mut names: Vec<&str> = tensors.iter().flatten().map(|t| t.name.as_str()).collect();
+        names.sort_unstable();
         names.dedup();
         self.tensors.prefetch(names);
         let shapes = [[i, h], [i, h], [h, i]];
