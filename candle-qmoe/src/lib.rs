@@ -9,8 +9,8 @@
 //! * [`mlp`] — the gated SiLU MLP used by dense layers and shared experts.
 //! * [`residency`] — a bounded per-layer cache of experts in device memory over the immutable
 //!   host pack: slots, staging, safe publication, eviction policies, prefetch, hybrid compute.
-//! * [`models`] — Candle-style OLMoE, Qwen2-MoE, Qwen3-MoE and Mixtral ports on [`SparseMoe`],
-//!   checkpoint loading, fingerprints and `.qmoe` packs of a checkpoint's experts.
+//! * [`models`] — Candle-style OLMoE, Qwen2-MoE, Qwen3-MoE, Mixtral and GraniteMoE ports on
+//!   [`SparseMoe`], checkpoint loading, fingerprints and `.qmoe` packs of a checkpoint's experts.
 //! * [`generation`] — the generation loop with prefill/decode timings.
 //! * [`pool`] — rayon's pool, where the CPU kernels run: driving a model from it, and its
 //!   workers kept awake through a model step.
@@ -41,8 +41,8 @@
 //! use candle_qmoe::pack::{GroupSize, PackFile};
 //! use candle_qmoe::synthetic::{SyntheticKind, SyntheticModel};
 //!
-//! /// A Hugging Face checkpoint folder (OLMoE, Qwen1.5-MoE, Qwen3-MoE or Mixtral) with its
-//! /// experts from the pack at `pack_path`, which is created on first use.
+//! /// A Hugging Face checkpoint folder (OLMoE, Qwen1.5-MoE, Qwen3-MoE, Mixtral or GraniteMoE)
+//! /// with its experts from the pack at `pack_path`, which is created on first use.
 //! /// (The loading steps fail with a `QmoeError`, which `?` turns into a `candle::Error`.)
 //! fn from_folder(dir: &Path, pack_path: &Path, device: &Device) -> candle::Result<MoeForCausalLm> {
 //!     if !pack_path.exists() {
