@@ -2,8 +2,9 @@
 //! are [`crate::SparseMoe`] with a swappable routed-experts backend.
 //!
 //! The ports are thin: [`olmoe::Config`], [`qwen2_moe::Config`], [`qwen3_moe::Config`],
-//! [`mixtral::Config`] and [`granitemoe::Config`] read a Hugging Face `config.json` and map it onto a [`ModelSpec`]; one
-//! trunk, [`MoeForCausalLm`], built from the shared [`layers`], runs any of them. The routed
+//! [`mixtral::Config`] and [`granitemoe::Config`] read a Hugging Face `config.json` and map it
+//! onto a [`ModelSpec`]; one trunk, [`MoeForCausalLm`], built from the shared [`layers`], runs
+//! any of them. The routed
 //! experts of each MoE layer come from an [`ExpertsLoader`], e.g. [`ExpertsBackend::Dense`] (the
 //! oracle) or [`ExpertsBackend::Int4`].
 //!
