@@ -132,11 +132,12 @@ def ours_bytes_per_token(model_dir: Path, pack: Path | None, run: dict) -> dict:
     activations = DTYPE_BYTES.get(run.get("activations"), compute)
 
     def matrix(name: str, shape: list[int]) -> int:
-        """A weight's bytes: norms in the activations' dtype (RmsNorm keeps them so); with
+        """A weight's bytes: norms and biases in the activations' dtype; with
         `--dense-weights int8` the projections in INT8 rows padded to whole groups of INT8_GROUP
         columns with an F16 scale per group (routers keep the compute dtype); otherwise the
         compute dtype."""
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight") or name.endswith(".bias"):
+            # RmsNorm keeps its weight, and DenseLinear its bias, in the activations' dtype.
             return numel(shape) * activations
         if int8 and (name == "lm_head.weight" or INT8_PROJECTION.search(name)):
             rows, cols = shape

@@ -316,18 +316,22 @@ impl ModelArgs {
         }))
     }
 
+    /// The checkpoint folder of `--model-dir`, or of `--model-id` from the hub (not for a
+    /// synthetic model).
+    fn checkpoint_dir(&self) -> Result<PathBuf> {
+        let ckpt = crate::checkpoint::resolve_checkpoint(
+            self.model_dir.as_deref(),
+            &self.model_id,
+            self.revision.as_deref(),
+        )?;
+        Ok(ckpt.dir)
+    }
+
     /// The model's config, read without loading any weights.
     pub fn config(&self) -> Result<AnyConfig> {
         Ok(match self.synthetic {
             Some(kind) => AnyConfig::from_json_str(&kind.config_json().to_string())?,
-            None => {
-                let ckpt = crate::checkpoint::resolve_checkpoint(
-                    self.model_dir.as_deref(),
-                    &self.model_id,
-                    self.revision.as_deref(),
-                )?;
-                AnyConfig::from_file(ckpt.dir.join("config.json"))?
-            }
+            None => AnyConfig::from_file(self.checkpoint_dir()?.join("config.json"))?,
         })
     }
 
@@ -368,7 +372,11 @@ impl ModelArgs {
     /// The memory plan of these flags (no weights are read): `--ctx` (default the model's) for
     /// each of [`Self::batching`]'s sequences, the `--resident` experts (all without it).
     pub fn plan(&self, dtype: DType, device: &Device) -> Result<Plan> {
-        let spec = self.config()?.spec()?;
+        let mut spec = self.config()?.spec()?;
+        // A head stored beside `tie_word_embeddings: true` is loaded: count it.
+        if self.synthetic.is_none() {
+            models::untie_if_stored_head(&mut spec, self.checkpoint_dir()?)?;
+        }
         let options = PlanOptions {
             dtype,
             dense_int8: self.dense_weights == Some(DenseWeights::Int8),

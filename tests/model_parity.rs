@@ -502,8 +502,16 @@ fn inconsistent_configs_are_refused() {
             v["rope_parameters"] = json!({"rope_type": "llama3", "rope_theta": 5e5})
         }));
         refused(e, "rope_type", "llama3");
-        for scaling in [json!(null), json!({"rope_type": "default"})] {
-            spec_ok(&edit_config(name, |v| v["rope_scaling"] = scaling));
+        // The older `type` key inside `rope_parameters` too (it was ignored).
+        let e = spec_error(&edit_config(name, |v| {
+            v["rope_parameters"] = json!({"type": "yarn", "factor": 2.0, "rope_theta": 5.0})
+        }));
+        refused(e, "rope_type", "yarn");
+        // `null` and `{}` are unset, as transformers reads them.
+        let plain = spec_ok(&config_json(name));
+        for scaling in [json!(null), json!({}), json!({"rope_type": "default"})] {
+            let spec = spec_ok(&edit_config(name, |v| v["rope_scaling"] = scaling.clone()));
+            assert_eq!(spec, plain, "{name}: rope_scaling {scaling}");
         }
     }
     for name in ["qwen2moe-tiny", "qwen3moe-tiny"] {
@@ -829,6 +837,14 @@ fn tied_embeddings_share_the_head() {
         let mut stored = MoeForCausalLm::new(&untied, vb, &ExpertsBackend::Dense).unwrap();
         let vb = VarBuilder::from_tensors(ts, DType::F32, &Device::Cpu);
         let mut tied_but_stored = MoeForCausalLm::new(&tied, vb, &ExpertsBackend::Dense).unwrap();
+        assert!(!tied_but_stored.spec().tie_word_embeddings, "{name}");
+        // A plan from a folder counts such a head: every fixture stores one but GraniteMoE's,
+        // which is tied.
+        let mut spec = tied.spec().unwrap();
+        let stores_head = models::stores_tensor(fixture_dir(name), "lm_head.weight").unwrap();
+        assert_eq!(stores_head, name != "granitemoe-tiny");
+        models::untie_if_stored_head(&mut spec, fixture_dir(name)).unwrap();
+        assert_eq!(spec.tie_word_embeddings, !stores_head, "{name}");
         let d = max_abs_diff(
             &tied_but_stored.forward_all(&ids, 0).unwrap(),
             &stored.forward_all(&ids, 0).unwrap(),

@@ -272,6 +272,13 @@ fn packs_that_could_not_be_opened_are_not_written() {
         PackFile::write(&path, &handmade, &[(0, layer.clone())]),
         "my-model-v1",
     );
+    // Nor is such a pack made in memory, whose `save` would then be refused.
+    match PackFile::from_layers(handmade.clone(), [(0, layer.clone())]) {
+        Err(QmoeError::InvalidPack { reason }) => {
+            assert!(reason.contains("my-model-v1"), "{reason}")
+        }
+        other => panic!("{:?}", other.map(|_| ())),
+    }
     let mut out = candle_qmoe::pack::PackWriter::create(&path, &meta, [0, 1]).unwrap();
     refused(
         out.write_layer(1, &layer),

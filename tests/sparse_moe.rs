@@ -6,7 +6,7 @@ use std::sync::Arc;
 use candle::{DType, Device, Module, Tensor};
 use candle_nn::VarBuilder;
 use candle_qmoe::moe::SharedExpert;
-use candle_qmoe::{DenseExperts, QmoeError, SparseMoe};
+use candle_qmoe::{DenseExperts, DenseLinear, QmoeError, SparseMoe};
 use candle_qmoe_suite::testing::{random_experts, reference_f64, Rng};
 
 const H: usize = 48;
@@ -301,6 +301,15 @@ fn misused_blocks_and_calls_are_refused_by_name() {
         invalid(&e, "input of a linear layer", "last dimension must be 48"),
         "{e}"
     );
+    // A BF16 weight on the CPU (our kernel) takes F32 or BF16 inputs; F16 is refused by name.
+    let bf16 = DenseLinear::new(
+        tensor(&mut rng, (E, H), 0.1).to_dtype(DType::BF16).unwrap(),
+        None,
+    )
+    .unwrap();
+    let e = bf16.forward(&xs.to_dtype(DType::F16).unwrap()).unwrap_err();
+    assert!(invalid(&e, "input of a linear layer", "F16"), "{e}");
+    assert!(bf16.forward(&xs).is_ok() && bf16.forward(&xs.to_dtype(DType::BF16).unwrap()).is_ok());
     // Candle's Q4K needs rows of 256 weights: the refusal names the expert's projection.
     let e = candle_qmoe::GgmlExperts::quantize(&experts, candle::quantized::GgmlDType::Q4K)
         .err()

@@ -249,15 +249,20 @@ impl Module for DenseLinear {
             }
             .into());
         }
-        if let Kernel::Candle(l) = &self.kernel {
-            if xs.dtype() != l.weight().dtype() {
+        let weight_dtype = match &self.kernel {
+            Kernel::Candle(l) => Some(l.weight().dtype()),
+            // Our kernel takes F32 inputs; Candle's matmul takes BF16 ones.
+            Kernel::Bf16 { .. } if xs.dtype() != DType::F32 => Some(DType::BF16),
+            Kernel::Bf16 { .. } | Kernel::Int8(_) => None,
+        };
+        if let Some(weight_dtype) = weight_dtype {
+            if xs.dtype() != weight_dtype {
                 return Err(QmoeError::InvalidArgument {
                     argument: "input of a linear layer".into(),
                     reason: format!(
-                        "is {:?}, but the layer's weight [{out}, {input}] is {:?}: convert one \
-                         to the other's dtype",
+                        "is {:?}, but the layer's weight [{out}, {input}] is {weight_dtype:?}: \
+                         convert one to the other's dtype",
                         xs.dtype(),
-                        l.weight().dtype()
                     ),
                 }
                 .into());

@@ -129,7 +129,13 @@ impl MoeForCausalLm {
         vb: VarBuilder,
         experts: &dyn ExpertsLoader,
     ) -> candle::Result<Self> {
-        let spec = cfg.spec()?;
+        let mut spec = cfg.spec()?;
+        // As transformers 5: a checkpoint that stores its own `lm_head.weight` beside
+        // `tie_word_embeddings: true` is not tied (transformers unties when the two differ;
+        // when they are equal the stored copy gives the same logits). The model's spec says so.
+        if spec.tie_word_embeddings && vb.contains_tensor("lm_head.weight") {
+            spec.tie_word_embeddings = false;
+        }
         let (dtype, device) = (vb.dtype(), vb.device().clone());
         let activations = activation_dtype(dtype, &device);
         let vb_m = vb.pp("model");
@@ -145,10 +151,7 @@ impl MoeForCausalLm {
             .map(|i| DecoderLayer::new(&spec, i, rotary.clone(), experts, vb_m.pp("layers").pp(i)))
             .collect::<candle::Result<Vec<_>>>()?;
         let norm = RmsNorm::new(spec.hidden_size, spec.rms_norm_eps, vb_m.pp("norm"))?;
-        // As transformers 5: a checkpoint that stores its own `lm_head.weight` beside
-        // `tie_word_embeddings: true` is not tied (transformers unties when the two differ;
-        // when they are equal the stored copy gives the same logits).
-        let lm_head = if spec.tie_word_embeddings && !vb.contains_tensor("lm_head.weight") {
+        let lm_head = if spec.tie_word_embeddings {
             DenseLinear::new(embed_tokens.embeddings().clone(), None)?
         } else {
             DenseLinear::load_no_bias(spec.hidden_size, spec.vocab_size, vb.pp("lm_head"))?

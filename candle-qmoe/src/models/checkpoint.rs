@@ -11,7 +11,7 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 use safetensors::Dtype;
 
-use super::config::{ExpertTensor, ModelConfig};
+use super::config::{ExpertTensor, ModelConfig, ModelSpec};
 use super::AnyConfig;
 use crate::error::message_without_backtrace;
 use crate::pack::file::checkpoint_fingerprint;
@@ -244,6 +244,29 @@ pub const SAMPLED_EXPERTS: usize = 4;
 /// Bytes [`fingerprint`] takes from the middle of each sampled expert weight (all of a smaller
 /// one): one or two pages touched per weight, never the whole tensor.
 pub const EXPERT_SAMPLE_BYTES: usize = 256;
+
+/// Whether the checkpoint in `dir` stores a tensor named `name`, from the shards' headers alone
+/// (read, not mapped); e.g. an `lm_head.weight` beside `tie_word_embeddings: true`, which then
+/// is not tied (see [`untie_if_stored_head`]).
+pub fn stores_tensor(dir: impl AsRef<Path>, name: &str) -> crate::Result<bool> {
+    let dir = dir.as_ref();
+    for path in checkpoint_files(dir)? {
+        if header_tensor_names(dir, &path)?.iter().any(|n| n == name) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// `spec` as the checkpoint in `dir` runs it: a spec that ties `lm_head` to the embeddings is
+/// untied when the checkpoint stores its own `lm_head.weight`, which the model then loads (as
+/// transformers 5 does), so that a plan counts that head.
+pub fn untie_if_stored_head(spec: &mut ModelSpec, dir: impl AsRef<Path>) -> crate::Result<()> {
+    if spec.tie_word_embeddings && stores_tensor(dir, "lm_head.weight")? {
+        spec.tie_word_embeddings = false;
+    }
+    Ok(())
+}
 
 /// How many decoder layers the checkpoint in `dir` stores tensors of: the largest `i` of a
 /// `model.layers.{i}.…` tensor name plus one (0 for none), from the shards' headers alone (read,

@@ -556,6 +556,9 @@ pub struct RopeParameters {
     /// `default` is the only type the ports implement.
     #[serde(default)]
     pub rope_type: Option<String>,
+    /// The older spelling of `rope_type`, read the same way.
+    #[serde(default, rename = "type")]
+    pub legacy_type: Option<String>,
 }
 
 /// The `config.json` fields every family shares; each port flattens it into its `Config`.
@@ -622,7 +625,11 @@ impl CommonConfig {
     /// [`QmoeError::UnsupportedConfig`] naming the type, or naming `rope_scaling` when it gives
     /// none.
     pub fn rope_theta(&self, default: f64) -> crate::Result<f64> {
-        let scaling = self.rope_scaling.as_ref().filter(|v| !v.is_null());
+        // `null` and `{}` are unset, as transformers takes them.
+        let scaling = self
+            .rope_scaling
+            .as_ref()
+            .filter(|v| !v.is_null() && v.as_object().is_none_or(|o| !o.is_empty()));
         if let Some(v) = scaling {
             let rope_type = v
                 .get("rope_type")
@@ -640,7 +647,9 @@ impl CommonConfig {
             return Ok(theta.or(self.rope_theta).unwrap_or(default));
         }
         let params = self.rope_parameters.as_ref();
-        if let Some(rope_type) = params.and_then(|p| p.rope_type.as_deref()) {
+        if let Some(rope_type) =
+            params.and_then(|p| p.rope_type.as_ref().or(p.legacy_type.as_ref()))
+        {
             check_rope_type(rope_type)?;
         }
         Ok(params

@@ -41,7 +41,8 @@ use std::path::Path;
 pub use crate::moe::ExpertTraffic;
 pub use causal_lm::{MoeForCausalLm, SequenceCache, SequenceInput};
 pub use checkpoint::{
-    checkpoint_files, fingerprint, mmap_checkpoint, stored_decoder_layers, CheckpointTensors,
+    checkpoint_files, fingerprint, mmap_checkpoint, stored_decoder_layers, stores_tensor,
+    untie_if_stored_head, CheckpointTensors,
 };
 pub use config::{
     AttentionSpec, CommonConfig, ExpertStorage, ExpertTensor, FamilyDefaults, FfnSpec, FusedRows,

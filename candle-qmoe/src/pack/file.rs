@@ -300,6 +300,15 @@ impl PackFile {
         meta: PackMeta,
         layers: impl IntoIterator<Item = (usize, LayerPack)>,
     ) -> crate::Result<Self> {
+        if meta.num_experts == 0 || !is_valid_fingerprint(&meta.fingerprint) {
+            return Err(QmoeError::InvalidPack {
+                reason: format!(
+                    "`num_experts` {} or fingerprint `{}` is not what a pack records (experts \
+                     ≥ 1; 64 hexadecimal digits, or two such joined by `+`)",
+                    meta.num_experts, meta.fingerprint
+                ),
+            });
+        }
         let mut map = BTreeMap::new();
         for (i, p) in layers {
             check_layer(&meta, i, &p)?;
