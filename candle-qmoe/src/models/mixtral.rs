@@ -45,18 +45,7 @@ pub struct Config {
 impl Config {
     /// Parses a `config.json` text.
     pub fn from_json_str(json: &str) -> crate::Result<Self> {
-        // Mixtral names the expert count `num_local_experts` (an alias of the shared field):
-        // a missing count is reported under that name.
-        super::parse_json(json, MODEL_TYPE).map_err(|e| match e {
-            QmoeError::InvalidFile { file, reason } => QmoeError::InvalidFile {
-                file,
-                reason: reason.replace(
-                    "missing field `num_experts`",
-                    "missing field `num_local_experts`",
-                ),
-            },
-            e => e,
-        })
+        super::parse_json_with_local_experts(json, MODEL_TYPE)
     }
 }
 

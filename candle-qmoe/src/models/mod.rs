@@ -82,6 +82,25 @@ pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(
     })
 }
 
+/// [`parse_json`] for a family that names the expert count `num_local_experts` (an alias of
+/// the shared `num_experts`, Mixtral's and GraniteMoE's spelling): a missing count is reported
+/// under that name.
+pub(crate) fn parse_json_with_local_experts<T: serde::de::DeserializeOwned>(
+    json: &str,
+    what: &str,
+) -> crate::Result<T> {
+    parse_json(json, what).map_err(|e| match e {
+        QmoeError::InvalidFile { file, reason } => QmoeError::InvalidFile {
+            file,
+            reason: reason.replace(
+                "missing field `num_experts`",
+                "missing field `num_local_experts`",
+            ),
+        },
+        e => e,
+    })
+}
+
 /// The text of the `config.json` at `path`: a [`QmoeError::Io`] when it cannot be read, a
 /// [`QmoeError::InvalidFile`] naming it when it is not UTF-8.
 pub(crate) fn read_config_text(path: &Path) -> crate::Result<String> {
