@@ -9,8 +9,8 @@ use anyhow::{bail, ensure, Context, Result};
 use candle::{DType, Device};
 use candle_qmoe::kernels::cpu::DecodeActivations;
 use candle_qmoe::models::{
-    self, AnyConfig, ExpertsBackend, ExpertsLoader, ModelConfig, MoeForCausalLm, PackedExperts,
-    QuantizeOptions,
+    self, AnyConfig, ExpertsBackend, ExpertsLoader, ModelConfig, ModelSpec, MoeForCausalLm,
+    PackedExperts, QuantizeOptions,
 };
 use candle_qmoe::pack::{GroupSize, PackFile, ScaleSearch};
 use candle_qmoe::plan::{self, ExpertStorage, FitOptions, Plan, PlanOptions, Target};
@@ -327,6 +327,19 @@ impl ModelArgs {
         Ok(ckpt.dir)
     }
 
+    /// The model's spec as its checkpoint runs it, read without loading any weights: a head
+    /// stored beside `tie_word_embeddings: true` is loaded, so it is counted (the checkpoint
+    /// folder is resolved once).
+    pub fn spec(&self) -> Result<ModelSpec> {
+        if self.synthetic.is_some() {
+            return Ok(self.config()?.spec()?);
+        }
+        let dir = self.checkpoint_dir()?;
+        let mut spec = AnyConfig::from_file(dir.join("config.json"))?.spec()?;
+        models::untie_if_stored_head(&mut spec, &dir)?;
+        Ok(spec)
+    }
+
     /// The model's config, read without loading any weights.
     pub fn config(&self) -> Result<AnyConfig> {
         Ok(match self.synthetic {
@@ -372,11 +385,7 @@ impl ModelArgs {
     /// The memory plan of these flags (no weights are read): `--ctx` (default the model's) for
     /// each of [`Self::batching`]'s sequences, the `--resident` experts (all without it).
     pub fn plan(&self, dtype: DType, device: &Device) -> Result<Plan> {
-        let mut spec = self.config()?.spec()?;
-        // A head stored beside `tie_word_embeddings: true` is loaded: count it.
-        if self.synthetic.is_none() {
-            models::untie_if_stored_head(&mut spec, self.checkpoint_dir()?)?;
-        }
+        let spec = self.spec()?;
         let options = PlanOptions {
             dtype,
             dense_int8: self.dense_weights == Some(DenseWeights::Int8),
@@ -403,7 +412,7 @@ impl ModelArgs {
                 format!("{:?}", self.experts).to_lowercase()
             );
         }
-        let max = self.config()?.spec()?.max_position_embeddings;
+        let max = self.spec()?.max_position_embeddings;
         if let Some(ctx) = self.ctx.filter(|c| !(2..=max).contains(c)) {
             bail!("--ctx {ctx} must be in 2..={max} (the model's maximum context, max_position_embeddings)");
         }

@@ -719,16 +719,17 @@ fn config_spellings_and_defaults() {
         MoeNames::GRANITE.router_weight(1),
         "model.layers.1.block_sparse_moe.router.layer.weight"
     );
-    let at = |name: &str, expert, first_row| ExpertTensor {
+    let at = |name: &str, shape, expert, first_row| ExpertTensor {
         name: format!("model.layers.1.block_sparse_moe.{name}.weight"),
+        shape,
         fused: Some(FusedRows { expert, first_row }),
     };
     assert_eq!(
-        moe.expert_tensors(1, 7),
+        moe.expert_tensors(1, 7, 256),
         [
-            at("input_linear", 7, 0),
-            at("input_linear", 7, 192),
-            at("output_linear", 7, 0)
+            at("input_linear", [192, 256], 7, 0),
+            at("input_linear", [192, 256], 7, 192),
+            at("output_linear", [256, 192], 7, 0)
         ]
     );
     let json = edit_config("granitemoe-tiny", |v| {

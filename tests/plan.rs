@@ -327,8 +327,9 @@ fn real_model_configs_match_synthetic_shapes() {
 
 /// For every family the predicted non-expert weights are the checkpoint's tensors other than
 /// the routed experts (whatever the family calls them: per-head q/k norms, Mixtral's
-/// `block_sparse_moe`, GraniteMoE's fused `input_linear`/`output_linear`, shared experts), counted from the safetensors header, plus the two RoPE
-/// tables `[max_position_embeddings, head_dim / 2]`, all in BF16.
+/// `block_sparse_moe`, GraniteMoE's fused `input_linear`/`output_linear`, shared experts),
+/// counted from the safetensors header, plus the two RoPE tables
+/// `[max_position_embeddings, head_dim / 2]`, all in BF16.
 #[test]
 fn non_expert_weights_are_the_checkpoints_tensors() {
     for fixture in FIXTURES {
@@ -336,9 +337,10 @@ fn non_expert_weights_are_the_checkpoints_tensors() {
         let file = std::fs::read(fixture_dir(fixture).join("model.safetensors")).unwrap();
         let (_, header) = safetensors::SafeTensors::read_metadata(&file).unwrap();
         // The experts' tensors as the spec names them (one per expert, or fused per layer).
+        let h = s.hidden_size;
         let experts: std::collections::HashSet<String> = s
             .moe_blocks()
-            .flat_map(|(l, m)| (0..m.num_experts).flat_map(move |e| m.expert_tensors(l, e)))
+            .flat_map(|(l, m)| (0..m.num_experts).flat_map(move |e| m.expert_tensors(l, e, h)))
             .map(|t| t.name)
             .collect();
         let stored: usize = header

@@ -59,7 +59,7 @@ fn block(
     let vb = VarBuilder::from_tensors(vars.clone(), DType::F32, &Device::Cpu);
     let shared_expert = shared.then(|| SharedExpert::new(H, 2 * I, vb.clone()).unwrap());
     let moe = SparseMoe::new(
-        SparseMoe::load_router(H, E, vb).unwrap(),
+        SparseMoe::load_router(H, E, "gate", vb).unwrap(),
         Arc::new(DenseExperts::new(experts.clone()).unwrap()),
         k,
         norm,

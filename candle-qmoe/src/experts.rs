@@ -16,7 +16,8 @@ use crate::QmoeError;
 ///
 /// `xs` is `[T, H]` (F16, BF16, F32 or F64), `expert_ids` is `[T, k]` (any integer dtype, e.g.
 /// `u32`), `weights` is `[T, k]` (floating point); the result is `[T, H]` in the dtype of `xs`.
-/// Every backend refuses other ranks, dtypes and shapes with a [`QmoeError`] naming the tensor. [`crate::SparseMoe`] does the routing and calls this.
+/// Every backend refuses other ranks, dtypes and shapes with a [`QmoeError`] naming the
+/// tensor. [`crate::SparseMoe`] does the routing and calls this.
 pub trait RoutedExperts: Send + Sync {
     /// Number of routed experts.
     fn num_experts(&self) -> usize;

@@ -289,13 +289,15 @@ impl SparseMoe {
         next.experts.prefetch(&ids)
     }
 
-    /// Loads the router `gate` `[E, H]` from the MoE block's VarBuilder.
+    /// Loads the router `{name}.weight` `[E, H]` from the MoE block's VarBuilder (`name` is
+    /// `gate` in most families, [`crate::models::MoeNames::router`]).
     pub fn load_router(
         hidden: usize,
         num_experts: usize,
+        name: &str,
         vb: VarBuilder,
     ) -> candle::Result<DenseLinear> {
-        DenseLinear::load_no_bias(hidden, num_experts, vb.pp("gate"))
+        DenseLinear::load_no_bias(hidden, num_experts, vb.pp(name))
     }
 
     /// Loads the dense weights of the experts `experts.{e}.{gate,up,down}.weight` (with the

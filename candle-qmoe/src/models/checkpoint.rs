@@ -218,13 +218,8 @@ pub fn fingerprint(dir: impl AsRef<Path>) -> crate::Result<String> {
         let mut experts: Vec<usize> = experts.collect();
         experts.dedup();
         for e in experts {
-            let (h, i) = (spec.hidden_size, m.intermediate_size);
-            for (t, shape) in m
-                .expert_tensors(layer, e)
-                .iter()
-                .zip([[i, h], [i, h], [h, i]])
-            {
-                let data = st.expert_bytes(t, shape)?;
+            for t in m.expert_tensors(layer, e, spec.hidden_size) {
+                let data = st.expert_bytes(&t)?;
                 let at = (data.len() / 2).saturating_sub(EXPERT_SAMPLE_BYTES / 2);
                 samples.push(&data[at..(at + EXPERT_SAMPLE_BYTES).min(data.len())]);
             }
@@ -483,15 +478,12 @@ impl CheckpointTensors {
         Ok(())
     }
 
-    /// Where the `rows × cols` matrix of the expert projection `t` lies in its stored tensor:
-    /// the shard, the byte range and the dtype. A whole tensor must be `[rows, cols]`; a fused
-    /// one `[E, R, cols]` with the expert below `E` and the rows within `R`.
-    fn expert_range(
-        &self,
-        t: &ExpertTensor,
-        rows: usize,
-        cols: usize,
-    ) -> crate::Result<(usize, Range<usize>, Dtype)> {
+    /// Where the `[rows, cols]` matrix of the expert projection `t` (its `shape`) lies in its
+    /// stored tensor: the shard, the byte range and the dtype. A whole tensor must be
+    /// `[rows, cols]`; a fused one `[E, R, cols]` with the expert below `E` and the rows within
+    /// `R`.
+    fn expert_range(&self, t: &ExpertTensor) -> crate::Result<(usize, Range<usize>, Dtype)> {
+        let [rows, cols] = t.shape;
         let at = self.locate(&t.name)?;
         let Some(f) = t.fused else {
             if at.shape != [rows, cols] {
@@ -524,26 +516,20 @@ impl CheckpointTensors {
         Ok((at.shard, start..start + bytes(rows * cols), at.dtype))
     }
 
-    /// The `rows × cols` expert projection `t` (see [`ExpertTensor`]) converted to F32 into
-    /// `out`; a tensor of another shape or dtype is a [`QmoeError::InvalidCheckpoint`].
-    pub fn read_expert_f32(
-        &self,
-        t: &ExpertTensor,
-        [rows, cols]: [usize; 2],
-        out: &mut Vec<f32>,
-    ) -> crate::Result<()> {
-        let (shard, range, dtype) = self.expert_range(t, rows, cols)?;
+    /// The expert projection `t` (see [`ExpertTensor`]) converted to F32 into `out`; a tensor
+    /// of another shape or dtype is a [`QmoeError::InvalidCheckpoint`].
+    pub fn read_expert_f32(&self, t: &ExpertTensor, out: &mut Vec<f32>) -> crate::Result<()> {
+        let (shard, range, dtype) = self.expert_range(t)?;
         self.convert_f32(t, dtype, &self.shards[shard][range], out)
     }
 
-    /// The stored bytes of the `rows × cols` expert projection `t`: its whole tensor (whose
-    /// shape is not checked here), or its rows of a fused tensor (checked as in
-    /// [`Self::read_expert_f32`]).
-    pub fn expert_bytes(&self, t: &ExpertTensor, [rows, cols]: [usize; 2]) -> crate::Result<&[u8]> {
+    /// The stored bytes of the expert projection `t`: its whole tensor (whose shape is not
+    /// checked here), or its rows of a fused tensor (checked as in [`Self::read_expert_f32`]).
+    pub fn expert_bytes(&self, t: &ExpertTensor) -> crate::Result<&[u8]> {
         if t.fused.is_none() {
             return Ok(self.get(&t.name)?.data);
         }
-        let (shard, range, _) = self.expert_range(t, rows, cols)?;
+        let (shard, range, _) = self.expert_range(t)?;
         Ok(&self.shards[shard][range])
     }
 
@@ -561,11 +547,11 @@ impl CheckpointTensors {
         }
     }
 
-    /// Drops the pages of the `rows × cols` expert projection `t` from this process's memory
-    /// (see [`Self::release`]); a fused tensor's other experts keep theirs, but for the pages
-    /// they share with it.
-    pub fn release_expert(&self, t: &ExpertTensor, [rows, cols]: [usize; 2]) {
-        if let Ok((shard, range, _)) = self.expert_range(t, rows, cols) {
+    /// Drops the pages of the expert projection `t` from this process's memory (see
+    /// [`Self::release`]); a fused tensor's other experts keep theirs, but for the pages they
+    /// share with it.
+    pub fn release_expert(&self, t: &ExpertTensor) {
+        if let Ok((shard, range, _)) = self.expert_range(t) {
             self.release_range(shard, range);
         }
     }

@@ -118,6 +118,8 @@ pub enum ExpertStorage {
 pub struct ExpertTensor {
     /// The stored tensor's full name.
     pub name: String,
+    /// The projection's `[rows, cols]`: gate and up `[I, H]`, down `[H, I]`.
+    pub shape: [usize; 2],
     /// For a fused tensor `[E, R, C]`: the expert (index along the first dimension) and the
     /// first of its rows that this projection takes.
     pub fused: Option<FusedRows>,
@@ -211,25 +213,42 @@ impl MoeNames {
     }
 
     /// Where the gate `[I, H]`, up `[I, H]` and down `[H, I]` weights of expert `e` of decoder
-    /// layer `layer` lie, for experts of `intermediate` rows: what every reader of a
-    /// checkpoint's experts uses (the oracle, INT4 at load, the quantizer, the fingerprint).
-    pub fn expert_tensors(&self, layer: usize, e: usize, intermediate: usize) -> [ExpertTensor; 3] {
-        match self.storage {
-            ExpertStorage::PerExpert => self
-                .expert_weights(layer, e)
-                .map(|name| ExpertTensor { name, fused: None }),
+    /// layer `layer` lie, and their shapes, for a model of `hidden` size and experts of
+    /// `intermediate` rows: what every reader of a checkpoint's experts uses (the oracle, INT4
+    /// at load, the quantizer, the fingerprint).
+    pub fn expert_tensors(
+        &self,
+        layer: usize,
+        e: usize,
+        hidden: usize,
+        intermediate: usize,
+    ) -> [ExpertTensor; 3] {
+        let shapes = [
+            [intermediate, hidden],
+            [intermediate, hidden],
+            [hidden, intermediate],
+        ];
+        let (mut names, fused) = match self.storage {
+            ExpertStorage::PerExpert => (self.expert_weights(layer, e), [None; 3]),
             ExpertStorage::Fused { gate_up, down } => {
                 let block = self.block_prefix(layer);
-                let at = |t: &str, first_row| ExpertTensor {
-                    name: format!("{block}.{t}.weight"),
-                    fused: Some(FusedRows {
+                let rows = |first_row| {
+                    Some(FusedRows {
                         expert: e,
                         first_row,
-                    }),
+                    })
                 };
-                [at(gate_up, 0), at(gate_up, intermediate), at(down, 0)]
+                (
+                    [gate_up, gate_up, down].map(|t| format!("{block}.{t}.weight")),
+                    [rows(0), rows(intermediate), rows(0)],
+                )
             }
-        }
+        };
+        std::array::from_fn(|j| ExpertTensor {
+            name: std::mem::take(&mut names[j]),
+            shape: shapes[j],
+            fused: fused[j],
+        })
     }
 }
 
@@ -251,9 +270,11 @@ pub struct MoeSpec {
 }
 
 impl MoeSpec {
-    /// [`MoeNames::expert_tensors`] of expert `e` of decoder layer `layer`.
-    pub fn expert_tensors(&self, layer: usize, e: usize) -> [ExpertTensor; 3] {
-        self.names.expert_tensors(layer, e, self.intermediate_size)
+    /// [`MoeNames::expert_tensors`] of expert `e` of decoder layer `layer` in a model of
+    /// `hidden` size.
+    pub fn expert_tensors(&self, layer: usize, e: usize, hidden: usize) -> [ExpertTensor; 3] {
+        self.names
+            .expert_tensors(layer, e, hidden, self.intermediate_size)
     }
 }
 

@@ -615,7 +615,7 @@ impl FeedForward {
             )?)),
             FfnSpec::Moe(m) => {
                 let vb = vb.pp(m.names.block);
-                let router = DenseLinear::load_no_bias(h, m.num_experts, vb.pp(m.names.router))?;
+                let router = SparseMoe::load_router(h, m.num_experts, m.names.router, vb.clone())?;
                 let shared = m
                     .shared_intermediate_size
                     .map(|si| SharedExpert::new(h, si, vb.clone()))

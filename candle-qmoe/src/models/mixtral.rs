@@ -5,8 +5,8 @@
 //! and `w2` (down) of `intermediate_size` ([`MoeNames::MIXTRAL`]); routing takes the top-k of
 //! the router logits and a softmax over them, which is softmax → top-k → renormalise. Attention
 //! is plain GQA without bias or q/k norm. Sliding-window attention (a `sliding_window` shorter
-//! than `max_position_embeddings`) is not implemented and refused. Only the mapping from `config.json` lives here; the model
-//! itself is the shared [`super::MoeForCausalLm`].
+//! than `max_position_embeddings`) is not implemented and refused. Only the mapping from
+//! `config.json` lives here; the model itself is the shared [`super::MoeForCausalLm`].
 
 use serde::{Deserialize, Serialize};
 
@@ -52,10 +52,17 @@ impl Config {
 impl ModelConfig for Config {
     fn spec(&self) -> crate::Result<ModelSpec> {
         let c = &self.common;
+        let attention = AttentionSpec::with_bias(false, QkNorm::None);
+        let moe = MoeSpec {
+            norm_topk_prob: true,
+            names: MoeNames::MIXTRAL,
+            ..c.moe(c.intermediate_size, None)
+        };
+        let spec = c.to_spec(MODEL_TYPE, &DEFAULTS, attention, |_| {
+            FfnSpec::Moe(moe.clone())
+        })?;
         // A window at least as long as the longest sequence is full attention.
-        let max_positions = c
-            .max_position_embeddings
-            .unwrap_or(DEFAULTS.max_position_embeddings);
+        let max_positions = spec.max_position_embeddings;
         let full = |w: &serde_json::Value| w.as_u64().is_some_and(|w| w >= max_positions as u64);
         if let Some(w) = self.sliding_window.as_ref().filter(|w| !full(w)) {
             return Err(QmoeError::unsupported(
@@ -67,15 +74,7 @@ impl ModelConfig for Config {
                 ),
             ));
         }
-        let attention = AttentionSpec::with_bias(false, QkNorm::None);
-        let moe = MoeSpec {
-            norm_topk_prob: true,
-            names: MoeNames::MIXTRAL,
-            ..c.moe(c.intermediate_size, None)
-        };
-        c.to_spec(MODEL_TYPE, &DEFAULTS, attention, |_| {
-            FfnSpec::Moe(moe.clone())
-        })
+        Ok(spec)
     }
 }
 

@@ -93,10 +93,9 @@ impl Quantizer {
     /// tensors are released as soon as it is read.
     fn layer(&self, layer: usize, tick: &(dyn Fn() + Sync)) -> crate::Result<LayerPack> {
         let l = self.meta.layout;
-        let (h, i) = (l.hidden, l.intermediate);
         let moe_names = self.moe.names;
         let tensors: Vec<[ExpertTensor; 3]> = (0..self.moe.num_experts)
-            .map(|e| self.moe.expert_tensors(layer, e))
+            .map(|e| self.moe.expert_tensors(layer, e, l.hidden))
             .collect();
         // Every expert's tensors exist before the layer's memory is taken (header lookups, no
         // data read): a config naming more experts than the checkpoint holds is refused by name,
@@ -109,14 +108,13 @@ impl Quantizer {
         names.sort_unstable();
         names.dedup();
         self.tensors.prefetch(names);
-        let shapes = [[i, h], [i, h], [h, i]];
         let read = |e: usize, w: &mut ExpertWeights| {
             let [gate, up, down] = &tensors[e];
-            self.tensors.read_expert_f32(gate, shapes[0], &mut w.gate)?;
-            self.tensors.read_expert_f32(up, shapes[1], &mut w.up)?;
-            self.tensors.read_expert_f32(down, shapes[2], &mut w.down)?;
-            for (t, shape) in tensors[e].iter().zip(shapes) {
-                self.tensors.release_expert(t, shape);
+            self.tensors.read_expert_f32(gate, &mut w.gate)?;
+            self.tensors.read_expert_f32(up, &mut w.up)?;
+            self.tensors.read_expert_f32(down, &mut w.down)?;
+            for t in &tensors[e] {
+                self.tensors.release_expert(t);
             }
             Ok(())
         };

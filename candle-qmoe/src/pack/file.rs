@@ -158,6 +158,23 @@ pub struct PackWriter {
     checksums: Vec<u32>,
 }
 
+/// Refuses a header a pack cannot record: zero experts, or a fingerprint not of
+/// [`PackMeta::fingerprint`]'s form.
+fn check_meta(meta: &PackMeta) -> crate::Result<()> {
+    let refuse = |reason: String| Err(QmoeError::InvalidPack { reason });
+    if meta.num_experts == 0 {
+        return refuse("`num_experts` is 0".into());
+    }
+    if !is_valid_fingerprint(&meta.fingerprint) {
+        return refuse(format!(
+            "fingerprint `{}` is not 64 hexadecimal digits (or two such, joined by `+`): use \
+             checkpoint_fingerprint() or models::fingerprint()",
+            meta.fingerprint
+        ));
+    }
+    Ok(())
+}
+
 /// Whether `fingerprint` has the form a pack records: 64 hexadecimal digits, or two such joined
 /// by `+` (see [`PackMeta::fingerprint`]).
 fn is_valid_fingerprint(fingerprint: &str) -> bool {
@@ -185,16 +202,7 @@ impl PackWriter {
         if let Some(i) = layers.iter().find(|&&i| !seen.insert(i)) {
             return Err(refuse(format!("layer {i} is given twice")));
         }
-        if meta.num_experts == 0 {
-            return Err(refuse("`num_experts` is 0".into()));
-        }
-        if !is_valid_fingerprint(&meta.fingerprint) {
-            return Err(refuse(format!(
-                "fingerprint `{}` is not 64 hexadecimal digits (or two such, joined by `+`): \
-                 use checkpoint_fingerprint() or models::fingerprint()",
-                meta.fingerprint
-            )));
-        }
+        check_meta(meta)?;
         let l = meta.layout;
         let info: HashMap<String, String> = [
             ("format", FORMAT.to_string()),
@@ -294,21 +302,13 @@ impl PackWriter {
 
 impl PackFile {
     /// A pack held in memory (e.g. just quantized, or synthetic), with the same checks as
-    /// [`PackFile::open`]: every layer matches `meta`, no layer index appears twice, and there is
-    /// at least one layer.
+    /// [`PackFile::open`]: `meta` is one a pack can record (experts, fingerprint), every layer
+    /// matches it, no layer index appears twice, and there is at least one layer.
     pub fn from_layers(
         meta: PackMeta,
         layers: impl IntoIterator<Item = (usize, LayerPack)>,
     ) -> crate::Result<Self> {
-        if meta.num_experts == 0 || !is_valid_fingerprint(&meta.fingerprint) {
-            return Err(QmoeError::InvalidPack {
-                reason: format!(
-                    "`num_experts` {} or fingerprint `{}` is not what a pack records (experts \
-                     ≥ 1; 64 hexadecimal digits, or two such joined by `+`)",
-                    meta.num_experts, meta.fingerprint
-                ),
-            });
-        }
+        check_meta(&meta)?;
         let mut map = BTreeMap::new();
         for (i, p) in layers {
             check_layer(&meta, i, &p)?;
