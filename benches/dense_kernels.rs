@@ -1,8 +1,8 @@
 //! Criterion benches of the non-expert projections on the CPU at OLMoE shapes: one attention
-//! projection (2048 × 2048) and `lm_head` (50304 × 2048), decode (M = 1) and a prefill chunk
-//! (M = 128), through `DenseLinear` in BF16 (our kernel), INT8 (our W8A8 kernel) and F32
-//! (Candle's matmul). Throughput is in weight bytes read, so decode figures compare directly
-//! with the machine's read bandwidth.
+//! projection (2048 × 2048) and `lm_head` (50304 × 2048), decode (M = 1) and prefill chunks (M =
+//! 128, and 512, the default chunk), through `DenseLinear` in BF16 (our kernel), INT8 (our W8A8
+//! kernel) and F32 (Candle's matmul). Throughput is in weight bytes read, so decode figures
+//! compare directly with the machine's read bandwidth.
 //!
 //! `cargo bench --bench dense_kernels`
 
@@ -22,7 +22,7 @@ fn bench_dense(c: &mut Criterion) {
         let bf16 = DenseLinear::new(w.clone(), None).unwrap();
         let int8 = bf16.to_int8().unwrap();
         let f32 = DenseLinear::new(w.to_dtype(DType::F32).unwrap(), None).unwrap();
-        for m in [1usize, 128] {
+        for m in [1usize, 128, 512] {
             let x = Tensor::randn(0f32, 1.0, (m, k), &dev).unwrap();
             let mut g = c.benchmark_group(format!("dense/{name}/m{m}"));
             g.sample_size(10);

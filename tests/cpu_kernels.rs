@@ -17,7 +17,11 @@ use libtest_mimic::{Arguments, Trial};
 
 /// `(m, k, n)`: decode and small-M tiles, K with a tail that is not a multiple of 8, N not a
 /// multiple of the row tiles, and a model-like width.
-const MATMUL_SHAPES: [(usize, usize, usize); 9] = [
+/// `(m, k, n)`: decode, several tokens in whole tiles with a remainder (3 and 6 tokens per tile
+/// for the BF16 kernels, 4 for INT8), columns past the last whole vector, and more tokens than
+/// one chunk of the kernels' token blocking (about 256 KiB of activations: 30 tokens at K = 2048,
+/// 60 at K = 1000 for BF16; 60 at K = 2048 for INT8 on AVX-512).
+const MATMUL_SHAPES: [(usize, usize, usize); 11] = [
     (1, 8, 1),
     (1, 2048, 200),
     (1, 1411, 67),
@@ -25,8 +29,10 @@ const MATMUL_SHAPES: [(usize, usize, usize); 9] = [
     (3, 96, 16),
     (4, 72, 13),
     (5, 1408, 130),
+    (13, 1411, 37),
     (17, 256, 70),
     (64, 2048, 33),
+    (70, 1000, 20),
 ];
 
 /// Random BF16 weights (std 0.02) and F32 activations of RMSNorm-ed scale with outliers.
