@@ -224,8 +224,8 @@ macro_rules! dense_simd {
                 }
             }
 
-            /// Every row group of the block (`$R1` or `R` rows, then single rows) against the
-            /// tiles of `tokens`.
+            /// Every row group of the block (`R` rows, then single rows) against the tiles of
+            /// `tokens`.
             ///
             /// # Safety
             /// As [`row_group`], for every row of `w`.
