@@ -13,6 +13,7 @@ pub mod cuda;
 pub mod dense;
 
 use crate::QmoeError;
+use rayon::prelude::*;
 
 /// Whether the calling thread's stream of `device` is being captured into a CUDA graph (never on
 /// the CPU). A captured call must not free memory allocated before the capture: the driver
@@ -123,19 +124,36 @@ pub(crate) fn contiguous_slice<'a, T: candle::WithDType>(
 }
 
 /// `[n, m]` row-major (one row per output feature) to `[m, n]` (one row per token); the two
-/// coincide when `m = 1`.
+/// coincide when `m = 1`. In parallel over blocks of [`TRANSPOSE_TOKENS`] tokens, each written
+/// [`TRANSPOSE_FEATURES`] features at a time (a 16 KiB tile of `y`, read as whole 64-byte runs
+/// of `yt`): element by element with a stride of `n`, one thread took 3% of a 1024-token
+/// prefill.
 pub(crate) fn transpose_to_tokens(yt: Vec<f32>, m: usize, n: usize) -> Vec<f32> {
     if m == 1 {
         return yt;
     }
     let mut y = vec![0f32; m * n];
-    for (r, col) in yt.chunks_exact(m).enumerate() {
-        for (t, &v) in col.iter().enumerate() {
-            y[t * n + r] = v;
-        }
-    }
+    y.par_chunks_mut(TRANSPOSE_TOKENS * n)
+        .enumerate()
+        .for_each(|(b, rows)| {
+            let (t0, tokens) = (b * TRANSPOSE_TOKENS, rows.len() / n);
+            for r0 in (0..n).step_by(TRANSPOSE_FEATURES) {
+                for r in r0..(r0 + TRANSPOSE_FEATURES).min(n) {
+                    let src = &yt[r * m + t0..r * m + t0 + tokens];
+                    for (t, &v) in src.iter().enumerate() {
+                        rows[t * n + r] = v;
+                    }
+                }
+            }
+        });
     y
 }
+
+/// Tokens per task of [`transpose_to_tokens`].
+const TRANSPOSE_TOKENS: usize = 16;
+
+/// Features per tile of [`transpose_to_tokens`].
+const TRANSPOSE_FEATURES: usize = 256;
 
 /// The routed rows of one call, grouped by expert in ascending expert order.
 #[derive(Clone, Debug, PartialEq, Eq)]
