@@ -515,10 +515,15 @@ impl Int8Acts {
         }
     }
 
-    /// Bytes of one token's levels, scales and offsets.
+    /// Bytes of one token's levels, scales and offsets (as [`Self::row`] slices them).
     fn bytes_per_token(&self) -> usize {
-        let m = self.q.len() / self.padded.max(1);
-        (self.q.len() + 4 * (self.scales.len() + self.offsets.len())) / m.max(1)
+        let groups = self.padded / INT8_GROUP;
+        let offsets = if self.offsets.is_empty() {
+            0
+        } else {
+            self.padded / 4
+        };
+        self.padded + 4 * (groups + offsets)
     }
 
     /// Token `t`'s row.
