@@ -28,7 +28,7 @@ struct Case {
 /// chunk, a single intermediate row; two with enough tokens for the `i8` activations (8 chunks
 /// per `i16` sum at g256); and long rows of few tokens at every group size, ending in a short
 /// group (K = 1088 = 8.5 × 128 = 17 × 64, K = 600 = 18.75 × 32, K = 2304 = 9 × 256).
-const EDGE_CASES: [Case; 11] = [
+const EDGE_CASES: [Case; 12] = [
     Case {
         hidden: 256,
         inter: 176,
@@ -116,6 +116,17 @@ const EDGE_CASES: [Case; 11] = [
         k: 1,
         tokens: 1,
         group: 256,
+    },
+    // Prefill on AVX-512's rows-in-lanes kernel: about 20 tokens per expert in three blocks,
+    // rows past the last whole slice of 16 (200 = 12 · 16 + 8), a run of 8 groups then a short
+    // group whose last 4-chunk block holds one chunk (1040 = 8 · 128 + 16).
+    Case {
+        hidden: 1040,
+        inter: 200,
+        experts: 4,
+        k: 2,
+        tokens: 40,
+        group: 128,
     },
 ];
 

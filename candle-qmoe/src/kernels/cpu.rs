@@ -11,7 +11,9 @@
 //! group's at most 8 chunks (≤ 30 480, no saturation) and widened once per group for `i8`. Each
 //! group's sum is scaled by `weight_scale · activation_scale` and accumulated in F32. The `−8`
 //! nibble offset is folded in exactly as `−8 · Σ q_x` per group, precomputed once per
-//! activation row.
+//! activation row. On AVX-512 VNNI, matrices that several tokens share (prefill) take the weight
+//! rows in vector lanes instead (`row_lanes`): 16 rows transposed once per call, no horizontal
+//! sums, the same bits.
 //!
 //! Work is split with rayon: first over (expert, block of intermediate rows) for gate/up and
 //! SiLU·up, then over blocks of hidden rows for the down projection and the weighted combine,
@@ -269,6 +271,19 @@ trait ActInt: Copy + Default + Send + Sync + Into<i32> {
     /// Places chunk `l` of a word block, `src` in the plain lane order (low nibbles' levels,
     /// then high nibbles'), into the block's `WORD_BLOCK_WEIGHTS` levels of one row.
     fn place_in_word_block(block: &mut [Self], l: usize, src: &[Self]);
+    /// Computes the first rows of [`block_rows`] with a kernel that takes every block of
+    /// activation rows at once, where `isa` has one for `T` and these blocks; returns how many
+    /// rows it computed (none by default).
+    fn block_rows_at_once(
+        _isa: CpuIsa,
+        _shape: DotShape,
+        _m: &PackedMatrix,
+        _rows: Range<usize>,
+        _blocks: &[ActBlock<Self>],
+        _out: &mut [f32],
+    ) -> usize {
+        0
+    }
     /// `out[r · TB + t] = row_{rows.start + r} · acts[t]` for a block of rows of `m`.
     fn block<const TB: usize>(
         isa: CpuIsa,
@@ -352,12 +367,22 @@ impl<T: ActInt> QuantActs<T> {
         }
     }
 
-    /// Rows `rows` in interleaved blocks of at most [`ActInt::token_block`] rows, in word blocks
-    /// where `isa`'s kernel for the block reads them ([`ActInt::word_blocks`]) and the groups
-    /// hold whole word blocks.
+    /// Rows `rows` in interleaved blocks of at most [`ActInt::token_block`] rows, as few as
+    /// that allows and of sizes differing by at most one (9 rows: 5 and 4, not 8 and 1, whose
+    /// lone row would take a pass over the weights of its own), in word blocks where `isa`'s
+    /// kernel for the block reads them ([`ActInt::word_blocks`]) and the groups hold whole
+    /// word blocks.
     fn blocks(&self, rows: &[usize], isa: CpuIsa) -> Vec<ActBlock<T>> {
         let (chunks, groups) = (self.padded_cols / CHUNK_WEIGHTS, self.groups);
-        rows.chunks(T::token_block(isa))
+        let parts = rows.len().div_ceil(T::token_block(isa));
+        let mut rest = rows;
+        (0..parts)
+            .map(|i| {
+                let len = rows.len() / parts + usize::from(i < rows.len() % parts);
+                let (rs, tail) = rest.split_at(len);
+                rest = tail;
+                rs
+            })
             .map(|rs| {
                 let tb = rs.len();
                 let words = T::word_blocks(isa, tb) && self.chunks_per_group >= WORD_BLOCK_CHUNKS;
@@ -590,6 +615,9 @@ fn chunk_lanes<T: ActInt>(wc: &[u8], xq: &[T], lanes: &mut [i32; CHUNK_BYTES]) {
         lanes[b] += lo * xlo[b].into() + hi * xhi[b].into();
     }
 }
+
+#[cfg(target_arch = "x86_64")]
+mod row_lanes;
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -1540,6 +1568,25 @@ impl ActInt for i8 {
             _ => 8,
         }
     }
+    /// The rows-in-lanes kernel (`row_lanes`) on AVX-512 VNNI once the blocks hold at least
+    /// `row_lanes::MIN_TOKENS` rows.
+    fn block_rows_at_once(
+        isa: CpuIsa,
+        shape: DotShape,
+        m: &PackedMatrix,
+        rows: Range<usize>,
+        blocks: &[ActBlock<i8>],
+        out: &mut [f32],
+    ) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        if row_lanes::takes(isa, shape, blocks) {
+            // SAFETY: `routed_forward_into` checked that `isa` is available on this CPU, and
+            // `takes` that it is AVX-512 VNNI and the blocks fit the kernel.
+            return unsafe { row_lanes::block_rows(shape, m, rows, blocks, out) };
+        }
+        let _ = (isa, shape, m, rows, blocks, out);
+        0
+    }
     #[inline]
     fn block<const TB: usize>(
         isa: CpuIsa,
@@ -1576,12 +1623,17 @@ fn block_rows<T: ActInt>(
     blocks: &[ActBlock<T>],
     out: &mut [f32],
 ) {
+    let n_acts: usize = blocks.iter().map(|b| b.tb).sum();
+    let done = T::block_rows_at_once(isa, shape, m, rows.clone(), blocks, out);
+    let (rows, out) = (rows.start + done..rows.end, &mut out[done * n_acts..]);
+    if rows.is_empty() {
+        return;
+    }
     if let [block] = blocks {
         // One block (every expert at decode): its layout is the output's.
         return one_block(isa, shape, m, rows, block, out);
     }
     let n_rows = rows.len();
-    let n_acts: usize = blocks.iter().map(|b| b.tb).sum();
     let mut tmp = vec![0f32; n_rows * blocks.first().map_or(0, |b| b.tb)];
     let mut first = 0;
     for a in blocks {
