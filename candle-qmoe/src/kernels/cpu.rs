@@ -458,8 +458,8 @@ unsafe fn quantize_row_avx2<T: ActInt>(
     quantize_row_body(x, q, scale, corr, group_size)
 }
 
-/// The body of [`quantize_row`]: the levels of a group in one loop without stores to scattered
-/// lanes, so that it vectorizes; then placed in their lanes and summed.
+/// The body of [`quantize_row`]: the levels of a group and their sum in one loop without
+/// stores to scattered lanes, so that it vectorizes; then placed in their lanes.
 #[inline(always)]
 fn quantize_row_body<T: ActInt>(
     x: &[f32],
@@ -478,15 +478,26 @@ fn quantize_row_body<T: ActInt>(
         }
         let s = amax / T::MAX;
         let levels = &mut levels[..xs.len()];
-        for (l, &v) in levels.iter_mut().zip(xs) {
-            *l = round_to_i32(v / s);
-        }
         let mut sum = 0i32;
-        for (c, &l) in (c0..).zip(levels.iter()) {
+        for (l, &v) in levels.iter_mut().zip(xs) {
+            *l = T::from_level(round_to_i32(v / s)).into();
+            sum += *l;
+        }
+        // Whole chunks lane by lane (a load from the chunk's column, a store in order), the
+        // short tail of a row column by column (its missing lanes stay 0).
+        let whole = levels.len() / CHUNK_WEIGHTS * CHUNK_WEIGHTS;
+        let (head, tail) = levels.split_at(whole);
+        for (dst, src) in q[c0..c0 + whole]
+            .chunks_exact_mut(CHUNK_WEIGHTS)
+            .zip(head.chunks_exact(CHUNK_WEIGHTS))
+        {
+            for (d, &col) in dst.iter_mut().zip(&CPU_LANE_COLUMN) {
+                *d = T::from_level(src[col]);
+            }
+        }
+        for (c, &l) in (c0 + whole..).zip(tail) {
             let lane = (c / CHUNK_WEIGHTS) * CHUNK_WEIGHTS + LANE_OF_COLUMN[c % CHUNK_WEIGHTS];
-            let v = T::from_level(l);
-            q[lane] = v;
-            sum += v.into();
+            q[lane] = T::from_level(l);
         }
         *scale = s;
         *corr = -8 * sum;
