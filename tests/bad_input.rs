@@ -1082,3 +1082,55 @@ fn experts_changed_since_the_pack(fixture: &str, flip: &str, experts: usize) {
     check().unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A non-finite expert weight is refused naming where it lies — the expert's own tensor, or for
+/// fused experts the fused tensor with the expert and its projection's rows — both when a pack
+/// is written and when the experts are quantized at load.
+#[test]
+fn a_non_finite_expert_weight_is_refused_naming_where_it_lies() {
+    // Row 3, column 7 of expert 5's up projection (H 256; OLMoE I 128, GraniteMoE I 192, whose
+    // `input_linear` holds each expert's 192 gate rows, then its 192 up rows).
+    let cases = [
+        (
+            "olmoe-tiny",
+            "model.layers.1.mlp.experts.5.up_proj.weight",
+            3 * 256 + 7,
+            "`model.layers.1.mlp.experts.5.up_proj.weight` (shape [128, 256])",
+        ),
+        (
+            "granitemoe-tiny",
+            "model.layers.1.block_sparse_moe.input_linear.weight",
+            (5 * 384 + 192 + 3) * 256 + 7,
+            "`model.layers.1.block_sparse_moe.input_linear.weight[5, 192..384]` (shape [192, 256])",
+        ),
+    ];
+    for (fixture, tensor, element, named) in cases {
+        let dir = checkpoint_copy(fixture, "non-finite-expert");
+        let st_path = dir.join("model.safetensors");
+        let mut st = Safetensors::parse(&std::fs::read(&st_path).unwrap());
+        let at = st.range(tensor).start + 2 * element;
+        st.data[at..at + 2].copy_from_slice(&0x7fc0u16.to_le_bytes()); // a BF16 NaN
+        std::fs::write(&st_path, st.to_bytes()).unwrap();
+        let expected = format!("{named} holds a non-finite value at flat index 775");
+
+        let opts = models::QuantizeOptions::default();
+        let pack = dir.join("tiny.qmoe");
+        let err = models::quantize_checkpoint_to_file(&dir, &pack, &opts, &|_, _| {}).unwrap_err();
+        assert!(
+            matches!(err, QmoeError::NonFinite { .. }) && err.to_string().contains(&expected),
+            "{fixture}, written to a pack: {err}"
+        );
+        assert!(!pack.exists(), "{fixture}: a pack was left behind");
+
+        let cfg = AnyConfig::from_file(dir.join("config.json")).unwrap();
+        // SAFETY: the files are not modified while the VarBuilder is alive.
+        let vb = unsafe { models::mmap_checkpoint(&dir, DType::F32, &Device::Cpu).unwrap() };
+        let int4 = ExpertsBackend::int4(GroupSize::default());
+        let err = MoeForCausalLm::new(&cfg, vb, &int4).err().unwrap();
+        assert!(
+            err.to_string().contains(&expected),
+            "{fixture}, quantized at load: {err}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -112,6 +112,47 @@ pub enum ExpertStorage {
     },
 }
 
+impl ExpertStorage {
+    /// Where the gate `[I, H]`, up `[I, H]` and down `[H, I]` weights of expert `e` of the MoE
+    /// block `block` (its full prefix, e.g. `model.layers.3.mlp`) lie, and their shapes, for a
+    /// model of `hidden` size and experts of `intermediate` rows, `names` naming the
+    /// projections of [`Self::PerExpert`] experts.
+    pub fn expert_tensors(
+        &self,
+        block: &str,
+        names: ExpertNames,
+        e: usize,
+        hidden: usize,
+        intermediate: usize,
+    ) -> [ExpertTensor; 3] {
+        let shapes = [
+            [intermediate, hidden],
+            [intermediate, hidden],
+            [hidden, intermediate],
+        ];
+        let (mut names, fused) = match *self {
+            Self::PerExpert => (names.weights(&ExpertNames::expert(block, e)), [None; 3]),
+            Self::Fused { gate_up, down } => {
+                let rows = |first_row| {
+                    Some(FusedRows {
+                        expert: e,
+                        first_row,
+                    })
+                };
+                (
+                    [gate_up, gate_up, down].map(|t| format!("{block}.{t}.weight")),
+                    [rows(0), rows(intermediate), rows(0)],
+                )
+            }
+        };
+        std::array::from_fn(|j| ExpertTensor {
+            name: std::mem::take(&mut names[j]),
+            shape: shapes[j],
+            fused: fused[j],
+        })
+    }
+}
+
 /// Where one expert projection lies in a checkpoint: a whole 2-D tensor, or rows of one
 /// expert of a fused 3-D tensor ([`ExpertStorage::Fused`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -139,7 +180,8 @@ impl std::fmt::Display for ExpertTensor {
         match self.fused {
             None => write!(f, "{}", self.name),
             Some(FusedRows { expert, first_row }) => {
-                write!(f, "{}[{expert}] from row {first_row}", self.name)
+                let end = first_row + self.shape[0];
+                write!(f, "{}[{expert}, {first_row}..{end}]", self.name)
             }
         }
     }
@@ -177,9 +219,9 @@ impl MoeNames {
         storage: ExpertStorage::PerExpert,
     };
     /// `block_sparse_moe.router.layer`, every expert fused in `block_sparse_moe.input_linear`
-    /// (gate and up) and `block_sparse_moe.output_linear` (down) (GraniteMoE). The projection
-    /// names only name an expert's part in messages (`experts.{e}.gate`, as transformers 5
-    /// calls the fused tensors `experts.gate_up_proj` and `experts.down_proj`).
+    /// (gate and up) and `block_sparse_moe.output_linear` (down) (GraniteMoE). No tensor has
+    /// the projection names: messages name an expert's part by the fused tensor, its expert
+    /// and rows (`input_linear.weight[7, 512..1024]`, see [`ExpertTensor`]).
     pub const GRANITE: Self = Self {
         block: "block_sparse_moe",
         experts: ExpertNames {
@@ -223,32 +265,13 @@ impl MoeNames {
         hidden: usize,
         intermediate: usize,
     ) -> [ExpertTensor; 3] {
-        let shapes = [
-            [intermediate, hidden],
-            [intermediate, hidden],
-            [hidden, intermediate],
-        ];
-        let (mut names, fused) = match self.storage {
-            ExpertStorage::PerExpert => (self.expert_weights(layer, e), [None; 3]),
-            ExpertStorage::Fused { gate_up, down } => {
-                let block = self.block_prefix(layer);
-                let rows = |first_row| {
-                    Some(FusedRows {
-                        expert: e,
-                        first_row,
-                    })
-                };
-                (
-                    [gate_up, gate_up, down].map(|t| format!("{block}.{t}.weight")),
-                    [rows(0), rows(intermediate), rows(0)],
-                )
-            }
-        };
-        std::array::from_fn(|j| ExpertTensor {
-            name: std::mem::take(&mut names[j]),
-            shape: shapes[j],
-            fused: fused[j],
-        })
+        self.storage.expert_tensors(
+            &self.block_prefix(layer),
+            self.experts,
+            e,
+            hidden,
+            intermediate,
+        )
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use candle::{DType, Tensor};
 use candle_nn::VarBuilder;
 
-use super::config::ExpertStorage;
+use super::config::{ExpertStorage, ExpertTensor};
 
 use crate::kernels::cpu::DecodeActivations;
 use crate::pack::{
@@ -40,18 +40,19 @@ pub struct ExpertDims {
 /// VarBuilder: one expert at a time ([`ExpertStorage::PerExpert`]), or the block's two fused
 /// 3-D tensors read once and cut per expert ([`ExpertStorage::Fused`]; each expert is a view
 /// of them, no copy).
-pub enum BlockExperts<'a> {
-    /// `experts.{e}.{gate,up,down}.weight`.
-    PerExpert(ExpertDims, VarBuilder<'a>),
-    /// `gate_up [E, 2I, H]` and `down [E, H, I]`.
-    Fused {
-        /// The experts' shape.
-        dims: ExpertDims,
-        /// Every expert's gate rows then up rows.
-        gate_up: Tensor,
-        /// Every expert's down projection.
-        down: Tensor,
-    },
+pub struct BlockExperts<'a> {
+    dims: ExpertDims,
+    block: String,
+    tensors: BlockTensors<'a>,
+}
+
+/// How [`BlockExperts`] reaches the weights.
+enum BlockTensors<'a> {
+    /// `experts.{e}.{gate,up,down}.weight`, through the block's VarBuilder.
+    PerExpert(VarBuilder<'a>),
+    /// Every expert's gate rows then up rows `[E, 2I, H]`, and every expert's down projection
+    /// `[E, H, I]`.
+    Fused { gate_up: Tensor, down: Tensor },
 }
 
 impl<'a> BlockExperts<'a> {
@@ -59,28 +60,41 @@ impl<'a> BlockExperts<'a> {
     /// `dims`; fused tensors are read (and converted to `vb`'s dtype) here, once.
     pub fn open(dims: ExpertDims, vb: VarBuilder<'a>) -> candle::Result<Self> {
         let (h, i, n) = (dims.hidden, dims.intermediate, dims.num_experts);
-        Ok(match dims.storage {
-            ExpertStorage::PerExpert => Self::PerExpert(dims, vb),
-            ExpertStorage::Fused { gate_up, down } => Self::Fused {
-                dims,
+        let block = vb.prefix();
+        let tensors = match dims.storage {
+            ExpertStorage::PerExpert => BlockTensors::PerExpert(vb),
+            ExpertStorage::Fused { gate_up, down } => BlockTensors::Fused {
                 gate_up: vb.pp(gate_up).get((n, 2 * i, h), "weight")?,
                 down: vb.pp(down).get((n, h, i), "weight")?,
             },
+        };
+        Ok(Self {
+            dims,
+            block,
+            tensors,
         })
+    }
+
+    /// Where expert `e`'s gate, up and down weights lie in the checkpoint, as messages name
+    /// them (e.g. `model.layers.3.mlp.experts.7.up_proj.weight`, or for fused experts
+    /// `model.layers.3.block_sparse_moe.input_linear.weight[7, 512..1024]`).
+    pub fn tensor_names(&self, e: usize) -> [String; 3] {
+        let d = &self.dims;
+        d.storage
+            .expert_tensors(&self.block, d.names, e, d.hidden, d.intermediate)
+            .each_ref()
+            .map(ExpertTensor::to_string)
     }
 
     /// Expert `e`'s gate `[I, H]`, up `[I, H]` and down `[H, I]`.
     pub fn expert(&self, e: usize) -> candle::Result<DenseExpert> {
-        match self {
-            Self::PerExpert(d, vb) => {
+        let d = &self.dims;
+        match &self.tensors {
+            BlockTensors::PerExpert(vb) => {
                 SparseMoe::load_dense_expert(d.hidden, d.intermediate, e, d.names, vb.clone())
             }
-            Self::Fused {
-                dims,
-                gate_up,
-                down,
-            } => {
-                let i = dims.intermediate;
+            BlockTensors::Fused { gate_up, down } => {
+                let i = d.intermediate;
                 let gu = gate_up.get(e)?;
                 Ok(DenseExpert {
                     gate: gu.narrow(0, 0, i)?,
@@ -93,10 +107,7 @@ impl<'a> BlockExperts<'a> {
 
     /// Every expert, in order.
     pub fn all(&self) -> candle::Result<Vec<DenseExpert>> {
-        let n = match self {
-            Self::PerExpert(d, _) | Self::Fused { dims: d, .. } => d.num_experts,
-        };
-        (0..n).map(|e| self.expert(e)).collect()
+        (0..self.dims.num_experts).map(|e| self.expert(e)).collect()
     }
 }
 
@@ -143,7 +154,7 @@ impl ExpertsBackend {
 
 impl ExpertsLoader for ExpertsBackend {
     fn load(&self, dims: ExpertDims, vb: VarBuilder) -> candle::Result<Arc<dyn RoutedExperts>> {
-        let (h, i, n, names) = (dims.hidden, dims.intermediate, dims.num_experts, dims.names);
+        let (h, i, n) = (dims.hidden, dims.intermediate, dims.num_experts);
         let dense = |vb| -> candle::Result<Arc<dyn RoutedExperts>> {
             let experts = BlockExperts::open(dims, vb)?.all()?;
             Ok(Arc::new(DenseExperts::new(experts)?))
@@ -159,12 +170,12 @@ impl ExpertsLoader for ExpertsBackend {
                 };
                 let block = vb.prefix();
                 let experts = BlockExperts::open(dims, vb.to_dtype(DType::F32))?;
+                let tensors = |e| experts.tensor_names(e);
                 let read = |e, w: &mut ExpertWeights| {
-                    let dense = experts.expert(e)?;
-                    w.read_dense(&ExpertNames::expert(&block, e), names, &dense, layout)
+                    w.read_dense(&tensors(e), &experts.expert(e)?, layout)
                 };
                 let pack =
-                    LayerPack::quantize_with(&block, names, n, layout, search, read, &|| {})?;
+                    LayerPack::quantize_with(&block, n, layout, search, &tensors, read, &|| {})?;
                 Ok(Arc::new(Int4Experts::new(pack)))
             }
         }

@@ -119,8 +119,9 @@ impl Quantizer {
             Ok(())
         };
         let block = moe_names.block_prefix(layer);
+        let names = |e: usize| tensors[e].each_ref().map(ExpertTensor::to_string);
         let (num, search) = (self.moe.num_experts, self.meta.scale_search);
-        LayerPack::quantize_with(&block, moe_names.experts, num, l, search, read, tick)
+        LayerPack::quantize_with(&block, num, l, search, &names, read, tick)
     }
 }
 

@@ -152,23 +152,22 @@ pub struct ExpertWeights {
 }
 
 impl ExpertWeights {
-    /// Reads `expert` (checking its shapes against `layout`); errors name its tensors
-    /// `names.weights(name)`.
+    /// Reads `expert` (checking its shapes against `layout`); errors name its gate, up and
+    /// down weights `tensors`.
     pub fn read_dense(
         &mut self,
-        name: &str,
-        names: ExpertNames,
+        tensors: &[String; 3],
         expert: &DenseExpert,
         layout: ExpertLayout,
     ) -> crate::Result<()> {
         let (h, i) = (layout.hidden, layout.intermediate);
-        let [gate, up, down] = names.weights(name);
+        let [gate, up, down] = tensors;
         for (tensor, t, shape, out) in [
             (gate, &expert.gate, [i, h], &mut self.gate),
             (up, &expert.up, [i, h], &mut self.up),
             (down, &expert.down, [h, i], &mut self.down),
         ] {
-            matrix_f32(&tensor, t, shape, out)?;
+            matrix_f32(tensor, t, shape, out)?;
         }
         Ok(())
     }
@@ -183,19 +182,19 @@ pub fn quantize_expert(
     layout: ExpertLayout,
     search: ScaleSearch,
 ) -> crate::Result<Vec<u8>> {
+    let tensors = names.weights(name);
     let mut weights = ExpertWeights::default();
-    weights.read_dense(name, names, expert, layout)?;
+    weights.read_dense(&tensors, expert, layout)?;
     let mut slab = vec![0u8; layout.slab_bytes()];
-    quantize_expert_into(name, names, &weights, layout, search, &mut slab)?;
+    quantize_expert_into(&tensors, &weights, layout, search, &mut slab)?;
     Ok(slab)
 }
 
 /// Quantizes one expert's F32 weights into `slab`, `layout.slab_bytes()` zeroed bytes (the
-/// alignment gaps between its regions are left as they are). Errors name its tensors
-/// `names.weights(name)`.
+/// alignment gaps between its regions are left as they are). Errors name its gate, up and
+/// down weights `tensors`.
 pub fn quantize_expert_into(
-    name: &str,
-    names: ExpertNames,
+    tensors: &[String; 3],
     weights: &ExpertWeights,
     layout: ExpertLayout,
     search: ScaleSearch,
@@ -204,7 +203,7 @@ pub fn quantize_expert_into(
     let o = layout.offsets();
     if slab.len() != o.total {
         return Err(QmoeError::InvalidArgument {
-            argument: format!("slab of `{name}`"),
+            argument: format!("slab of `{}`", tensors[0]),
             reason: format!("{} bytes, the layout needs {}", slab.len(), o.total),
         });
     }
@@ -223,15 +222,15 @@ pub fn quantize_expert_into(
     let (gate_w, up_w) = gate_up_weights.split_at_mut(half.weight_bytes());
     let (gate_s, up_s) =
         gate_up_scales[..2 * gu.scale_count()].split_at_mut(2 * half.scale_count());
-    let [gate, up, down] = names.weights(name);
+    let [gate, up, down] = tensors;
     for (tensor, values, w, s) in [
         (gate, &weights.gate, gate_w, gate_s),
         (up, &weights.up, up_w, up_s),
     ] {
-        quantize_matrix_into(&tensor, values, half, search, w, s)?;
+        quantize_matrix_into(tensor, values, half, search, w, s)?;
     }
     quantize_matrix_into(
-        &down,
+        down,
         &weights.down,
         dn,
         search,
@@ -329,7 +328,9 @@ pub struct LayerPack {
 
 impl LayerPack {
     /// Quantizes the experts of one layer (in parallel). Errors name expert `e`'s tensors
-    /// `names.weights(&ExpertNames::expert(name, e))`, `name` being the MoE block's prefix.
+    /// `names.weights(&ExpertNames::expert(name, e))`, `name` being the MoE block's prefix
+    /// (the tensors of experts with weights of their own,
+    /// [`ExpertStorage::PerExpert`](crate::models::ExpertStorage::PerExpert)).
     pub fn quantize(
         name: &str,
         names: ExpertNames,
@@ -337,13 +338,14 @@ impl LayerPack {
         layout: ExpertLayout,
         search: ScaleSearch,
     ) -> crate::Result<Self> {
+        let tensors = |e| names.weights(&ExpertNames::expert(name, e));
         Self::quantize_with(
             name,
-            names,
             experts.len(),
             layout,
             search,
-            |e, w| w.read_dense(&ExpertNames::expert(name, e), names, &experts[e], layout),
+            &tensors,
+            |e, w| w.read_dense(&tensors(e), &experts[e], layout),
             &|| {},
         )
     }
@@ -351,14 +353,15 @@ impl LayerPack {
     /// Quantizes `num_experts` experts whose F32 weights `read(e, buffers)` puts in `buffers`
     /// (in parallel, each thread reusing its buffers), calling `on_expert` after each: only the
     /// experts being quantized are held in dense form, and the slabs are written in place, so a
-    /// layer can be packed straight from a memory-mapped checkpoint. Errors name tensors as
-    /// [`Self::quantize`] does.
+    /// layer can be packed straight from a memory-mapped checkpoint. Errors name the layer
+    /// `name` (the MoE block's prefix) and expert `e`'s gate, up and down weights
+    /// `tensors(e)`.
     pub fn quantize_with(
         name: &str,
-        names: ExpertNames,
         num_experts: usize,
         layout: ExpertLayout,
         search: ScaleSearch,
+        tensors: &(dyn Fn(usize) -> [String; 3] + Sync),
         read: impl Fn(usize, &mut ExpertWeights) -> crate::Result<()> + Sync,
         on_expert: &(dyn Fn() + Sync),
     ) -> crate::Result<Self> {
@@ -389,8 +392,7 @@ impl LayerPack {
             ExpertWeights::default,
             |weights, (e, slab)| {
                 read(e, weights)?;
-                let expert = ExpertNames::expert(name, e);
-                quantize_expert_into(&expert, names, weights, layout, search, slab)?;
+                quantize_expert_into(&tensors(e), weights, layout, search, slab)?;
                 on_expert();
                 Ok::<_, QmoeError>(())
             },
