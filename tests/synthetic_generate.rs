@@ -1,8 +1,8 @@
 //! The synthetic models and the generation loop: deterministic weights and tokens for a seed,
 //! the stop conditions, and INT4 slabs that the kernels and the dequantizer read alike.
 
-use candle::{DType, Device};
-use candle_qmoe::generation::{argmax, generate, Generation, StopReason};
+use candle::{DType, Device, Tensor};
+use candle_qmoe::generation::{argmax, generate, prefill, CausalLm, Generation, StopReason};
 use candle_qmoe::models::{MoeForCausalLm, QkNorm};
 use candle_qmoe::pack::GroupSize;
 use candle_qmoe::parity::logit_agreement;
@@ -255,4 +255,73 @@ fn the_30b_class_synthetic_tokenizers_fit_their_vocabularies() {
     let mixed = [72 + 3, 31999, 105 + 3, 2];
     assert_eq!(bytes.decode(&mixed, true).unwrap(), "H[31999]i");
     assert_eq!(synthetic_tokenizer_family(SyntheticKind::Mixtral), None);
+}
+
+/// A model of the caller's own: its next token is the last one plus one (mod `VOCAB`), and it
+/// refuses a call whose offset is not its cache's length.
+struct Counter {
+    cache: Vec<u32>,
+    calls: usize,
+    device: Device,
+}
+
+impl Counter {
+    const VOCAB: u32 = 7;
+    const CONTEXT: usize = 600;
+}
+
+impl CausalLm for Counter {
+    fn forward(&mut self, input_ids: &Tensor, seqlen_offset: usize) -> candle::Result<Tensor> {
+        if seqlen_offset != self.cache.len() {
+            candle::bail!("offset {seqlen_offset} with {} cached", self.cache.len());
+        }
+        self.calls += 1;
+        self.cache.extend(input_ids.squeeze(0)?.to_vec1::<u32>()?);
+        let next = (self.cache.last().unwrap() + 1) % Self::VOCAB;
+        let logits: Vec<f32> = (0..Self::VOCAB).map(|v| f32::from(v == next)).collect();
+        Tensor::new(logits, &self.device)?.unsqueeze(0)
+    }
+    fn cached_len(&self) -> usize {
+        self.cache.len()
+    }
+    fn clear_kv_cache(&mut self) {
+        self.cache.clear();
+    }
+    fn device(&self) -> &Device {
+        &self.device
+    }
+    fn max_context(&self) -> usize {
+        Self::CONTEXT
+    }
+}
+
+/// The loop drives any `CausalLm`: a prompt longer than one prefill chunk goes in two chunks at
+/// the right offsets, then a token per call until the model's own context is full; the cache is
+/// cleared first; `prefill` continues after what is cached.
+#[test]
+fn the_generation_loop_drives_a_model_of_the_callers_own() {
+    let mut model = Counter {
+        cache: vec![3; 10],
+        calls: 0,
+        device: Device::Cpu,
+    };
+    let prompt: Vec<u32> = (0..520).map(|i| i % Counter::VOCAB).collect();
+    let g = generate(&mut model, &prompt, 100, &[], argmax, |_| Ok(())).unwrap();
+    assert_eq!(g.stop, StopReason::ContextFull);
+    assert_eq!(g.tokens.len(), Counter::CONTEXT - prompt.len());
+    let expected: Vec<u32> = (520..Counter::CONTEXT as u32)
+        .map(|i| i % Counter::VOCAB)
+        .collect();
+    assert_eq!(g.tokens, expected);
+    // Two prefill chunks (512 + 8), then every generated token but the last.
+    assert_eq!(model.calls, 2 + g.tokens.len() - 1);
+    assert_eq!(model.cached_len(), Counter::CONTEXT - 1);
+
+    let eos = [5];
+    let g = generate(&mut model, &prompt[..3], 100, &eos, argmax, |_| Ok(())).unwrap();
+    assert_eq!((g.stop, g.tokens), (StopReason::Eos, vec![3, 4, 5]));
+
+    let logits = prefill(&mut model, &[6], 4).unwrap();
+    assert_eq!(argmax(&logits, &[]).unwrap(), 0);
+    assert_eq!(model.cached_len(), 3 + 2 + 1);
 }

@@ -1,4 +1,5 @@
-//! A plain generation loop over [`MoeForCausalLm`] with the timings of docs/architecture.md §6.
+//! A plain generation loop over any [`CausalLm`] (our [`MoeForCausalLm`], or a model of your
+//! own) with the timings of docs/architecture.md §6.
 //!
 //! The prompt goes through the model in chunks of at most [`PREFILL_CHUNK`] tokens (prefill, so
 //! the activations of a long prompt stay bounded, as [`crate::plan`] assumes), then one token per
@@ -7,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use candle::{DType, Tensor};
+use candle::{DType, Device, Tensor};
 
 use crate::models::MoeForCausalLm;
 use crate::profile::{self, Profile};
@@ -16,9 +17,49 @@ use crate::QmoeError;
 /// Most prompt tokens per forward pass during prefill.
 pub const PREFILL_CHUNK: usize = 512;
 
+/// A causal language model with a KV cache of its own, as [`prefill`] and [`generate`] drive
+/// it. [`MoeForCausalLm`] implements it; so can a model ported outside this crate (with
+/// [`crate::SparseMoe`] as its MoE layers, say) to get the same loop, checks and timings.
+pub trait CausalLm {
+    /// Logits `[1, vocab]` (F32) of the last position of `input_ids [1, S]`, whose first token
+    /// sits at position `seqlen_offset` (= [`Self::cached_len`]); the tokens join the KV cache.
+    fn forward(&mut self, input_ids: &Tensor, seqlen_offset: usize) -> candle::Result<Tensor>;
+    /// Tokens held in the KV cache.
+    fn cached_len(&self) -> usize;
+    /// Empties the KV cache: the next call starts at position 0.
+    fn clear_kv_cache(&mut self);
+    /// The device the model's inputs live on.
+    fn device(&self) -> &Device;
+    /// Most positions a sequence may hold, prompt and generated tokens together (a
+    /// Hugging Face config's `max_position_embeddings`).
+    fn max_context(&self) -> usize;
+}
+
+impl CausalLm for MoeForCausalLm {
+    fn forward(&mut self, input_ids: &Tensor, seqlen_offset: usize) -> candle::Result<Tensor> {
+        MoeForCausalLm::forward(self, input_ids, seqlen_offset)
+    }
+    fn cached_len(&self) -> usize {
+        MoeForCausalLm::cached_len(self)
+    }
+    fn clear_kv_cache(&mut self) {
+        MoeForCausalLm::clear_kv_cache(self)
+    }
+    fn device(&self) -> &Device {
+        MoeForCausalLm::device(self)
+    }
+    fn max_context(&self) -> usize {
+        self.spec().max_position_embeddings
+    }
+}
+
 /// Runs `prompt` through the model in chunks of at most `chunk` tokens after the tokens already
 /// in its KV cache, and returns the last position's logits (`[vocab]`, F32).
-pub fn prefill(model: &mut MoeForCausalLm, prompt: &[u32], chunk: usize) -> candle::Result<Tensor> {
+pub fn prefill<M: CausalLm + ?Sized>(
+    model: &mut M,
+    prompt: &[u32],
+    chunk: usize,
+) -> candle::Result<Tensor> {
     let invalid = |argument: &str, reason: &str| -> candle::Error {
         QmoeError::InvalidArgument {
             argument: argument.into(),
@@ -49,7 +90,7 @@ pub enum StopReason {
     Eos,
     /// `max_new_tokens` were generated.
     MaxTokens,
-    /// The context is full: the model's `max_position_embeddings`, or a shorter limit of the
+    /// The context is full: the model's [`CausalLm::max_context`], or a shorter limit of the
     /// caller's (which then asks [`generate`] for only the tokens that fit).
     ContextFull,
 }
@@ -94,15 +135,15 @@ impl Generation {
 /// The KV cache is cleared first. `sample(logits, context)` picks the next token from the last
 /// position's logits (`[vocab]`, F32) given every token so far (prompt and generated);
 /// `on_token` sees each generated token as soon as it exists (for streaming output).
-pub fn generate(
-    model: &mut MoeForCausalLm,
+pub fn generate<M: CausalLm + ?Sized>(
+    model: &mut M,
     prompt: &[u32],
     max_new_tokens: usize,
     eos: &[u32],
     mut sample: impl FnMut(&Tensor, &[u32]) -> candle::Result<u32>,
     mut on_token: impl FnMut(u32) -> candle::Result<()>,
 ) -> candle::Result<Generation> {
-    let context = model.spec().max_position_embeddings;
+    let context = model.max_context();
     if prompt.is_empty() {
         return Err(QmoeError::InvalidArgument {
             argument: "prompt".into(),
