@@ -203,7 +203,7 @@ pub fn quantize_expert_into(
     let o = layout.offsets();
     if slab.len() != o.total {
         return Err(QmoeError::InvalidArgument {
-            argument: format!("slab of `{}`", tensors[0]),
+            argument: format!("slab of the expert of `{}`", tensors[0]),
             reason: format!("{} bytes, the layout needs {}", slab.len(), o.total),
         });
     }
