@@ -1044,20 +1044,27 @@ fn batch_and_chunked_prefill(name: &str) {
 /// backends and stays close to the float32 golden.
 ///
 /// Measured on prompt1 (BF16 weights, F32 activations on the CPU): dense top-1 0.98–1.0, mean KL
-/// 1.1e-5–2.2e-5, max |Δlogit| 0.023–0.033 (BF16 rounding of what transformers computes in F32 from
+/// 1.1e-5–3.0e-5, max |Δlogit| 0.023–0.033 (BF16 rounding of what transformers computes in F32 from
 /// the same BF16 values, at a near-tie or two). INT4 in BF16 measures as INT4 in F32 (top-1
 /// 0.68–0.79, KL 8e-3–3.0e-2, max 0.64–1.75), so it shares the INT4 bounds of
 /// `int4_experts_track_transformers`. The dense bounds follow the arithmetic: BF16 keeps 8
 /// significant bits (up to 2⁻⁸ ≈ 3.9e-3 relative per rounding of an activation between ops),
 /// which over the two layers moves logits of RMS ~1 by ~5e-3 typically and by a few 1e-2 at the
 /// worst position; the KL of a typical change Δ is ~Δ²/2 ≈ 1e-5, as measured. So KL ≤ 1e-4
-/// (4.5–9× the measured), max |Δlogit| ≤ 0.1 (3–4.3×) and top-1 ≥ 0.9 (a near tie may flip a
-/// row or two).
+/// (3.3–9× the measured), max |Δlogit| ≤ 0.1 (3–4.3×) and top-1 ≥ 0.9 (a near tie may flip a
+/// row or two). The max is taken over the positions where every MoE layer routes as the F32
+/// model does: a router tie closer than BF16's noise may go either way (see
+/// [`routing_flips`]), and one flipped expert moves that position's logits by ~0.16.
 #[test]
 fn bf16_compute_tracks_transformers() {
     for name in FIXTURES {
         let golden = golden_prompts(name);
         let cfg = AnyConfig::from_file(fixture_dir(name).join("config.json")).unwrap();
+        let load = |dtype, backend: &ExpertsBackend| {
+            let vb =
+                unsafe { models::mmap_checkpoint(fixture_dir(name), dtype, &Device::Cpu) }.unwrap();
+            MoeForCausalLm::new(&cfg, vb, backend).unwrap()
+        };
         for (backend, min_top1, max_kl, max_abs) in [
             (ExpertsBackend::Dense, 0.9, 1e-4, 0.1),
             (
@@ -1067,10 +1074,7 @@ fn bf16_compute_tracks_transformers() {
                 INT4_MAX_ABS,
             ),
         ] {
-            let vb =
-                unsafe { models::mmap_checkpoint(fixture_dir(name), DType::BF16, &Device::Cpu) }
-                    .unwrap();
-            let mut model = MoeForCausalLm::new(&cfg, vb, &backend).unwrap();
+            let mut model = load(DType::BF16, &backend);
             assert_eq!(model.dtype(), DType::BF16);
             let f = fidelity(&mut model, &golden, 1);
             eprintln!("{name} prompt1 bf16 {backend:?}: {}", describe(&f));
@@ -1084,13 +1088,117 @@ fn bf16_compute_tracks_transformers() {
                 "{name} {backend:?}: mean KL {}",
                 f.mean_kl
             );
-            assert!(
-                f.max_abs_diff <= max_abs,
-                "{name} {backend:?}: max |Δlogit| {}",
+            let max_abs_diff = if backend == ExpertsBackend::Dense {
+                // The INT4 bound covers flipped experts already.
+                let mut exact = load(DType::F32, &backend);
+                let prompt = &golden.prompts[1];
+                let flips = routing_flips(&mut model, &mut exact, prompt);
+                let (ours, reference) = compared_logits(&mut model, prompt);
+                let rows = (0..reference.dim(0).unwrap()).filter(|r| !flips.contains(r));
+                let row = |t: &Tensor, r| t.narrow(0, r, 1).unwrap();
+                let max = rows
+                    .map(|r| {
+                        let a = logit_agreement(&row(&ours, r), &row(&reference, r)).unwrap();
+                        a.max_abs_diff
+                    })
+                    .fold(0f64, f64::max);
+                eprintln!("{name}: routing flipped at rows {flips:?}; max |Δ| elsewhere {max:.2e}");
+                max
+            } else {
                 f.max_abs_diff
+            };
+            assert!(
+                max_abs_diff <= max_abs,
+                "{name} {backend:?}: max |Δlogit| {max_abs_diff}"
             );
         }
     }
+}
+
+/// How far the router logits of a BF16 model may move from run to run of equally valid
+/// arithmetic: changing only the summation order of the BF16 projections (the AVX-512 kernel
+/// before and after it widened even and odd columns apart, qwen2moe-tiny prompt1) moved them by
+/// up to 7.7e-3, since each activation is rounded to BF16 between ops (2⁻⁹ relative) and a
+/// rounding that tips moves it by a whole BF16 step. 0.02 is 2.6× that.
+const BF16_ROUTER_NOISE: f32 = 0.02;
+
+/// Every row of [`compared_logits`] at which some MoE layer of `model` routes its token to
+/// another top-k set than `exact` (the same model in F32) does.
+///
+/// # Panics
+/// When a flip is not at a near tie: `exact`'s k-th and (k+1)-th router logits there must lie
+/// within [`BF16_ROUTER_NOISE`] of each other.
+fn routing_flips(
+    model: &mut MoeForCausalLm,
+    exact: &mut MoeForCausalLm,
+    prompt: &candle_qmoe::parity::GoldenPrompt,
+) -> Vec<usize> {
+    let ids = compared_ids(prompt);
+    let ids = Tensor::new(ids.as_slice(), &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let routers = |m: &mut MoeForCausalLm| {
+        m.clear_kv_cache();
+        let (_, r) = m.forward_all_with_router_logits(&ids, 0).unwrap();
+        m.clear_kv_cache();
+        r.into_iter()
+            .map(|r| r.squeeze(0).unwrap().to_dtype(DType::F32).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let (ours, theirs) = (routers(model), routers(exact));
+    let top_k: Vec<usize> = model.spec().moe_blocks().map(|(_, m)| m.top_k).collect();
+    let mut flips = Vec::new();
+    for ((o, e), &k) in ours.iter().zip(&theirs).zip(&top_k) {
+        let logits = e.to_vec2::<f32>().unwrap();
+        let sets = topk_sets(o, k)
+            .unwrap()
+            .into_iter()
+            .zip(topk_sets(e, k).unwrap());
+        for (row, (a, b)) in sets.enumerate() {
+            if a != b {
+                let mut l = logits[row].clone();
+                l.sort_by(|x, y| y.total_cmp(x));
+                let gap = l[k - 1] - l[k];
+                assert!(
+                    gap < BF16_ROUTER_NOISE,
+                    "row {row}: routing flipped where the F32 model's gap is {gap}"
+                );
+                flips.push(row);
+            }
+        }
+    }
+    flips.sort_unstable();
+    flips.dedup();
+    flips
+}
+
+/// The ids `compare_prompt` runs: the prompt and all greedy tokens but the last.
+fn compared_ids(prompt: &candle_qmoe::parity::GoldenPrompt) -> Vec<u32> {
+    let steps = prompt.greedy_ids.len();
+    let mut ids = prompt.input_ids.clone();
+    ids.extend(&prompt.greedy_ids[..steps - 1]);
+    ids
+}
+
+/// `model`'s logits over [`compared_ids`] and the golden's for the same rows (the prompt's full
+/// forward, then each greedy step's), as `compare_prompt` compares them.
+fn compared_logits(
+    model: &mut MoeForCausalLm,
+    prompt: &candle_qmoe::parity::GoldenPrompt,
+) -> (Tensor, Tensor) {
+    let ids = compared_ids(prompt);
+    let ids = Tensor::new(ids.as_slice(), &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    model.clear_kv_cache();
+    let ours = model.forward_all(&ids, 0).unwrap().squeeze(0).unwrap();
+    model.clear_kv_cache();
+    let steps = prompt.greedy_ids.len();
+    let tail = prompt.greedy_step_logits.narrow(0, 1, steps - 1).unwrap();
+    let reference = Tensor::cat(&[prompt.logits.clone(), tail], 0).unwrap();
+    (ours, reference)
 }
 
 /// `--dense-weights int8`: the non-expert projections requantized to INT8 (groups of 32, 8-bit

@@ -8,9 +8,13 @@
 //! A tile of `R` weight rows × `T` activation rows is accumulated in registers: on AVX2 + FMA
 //! (`R`, `T`) = (8, 1) at decode, so that eight independent FMA chains hide the latency, and
 //! (3, 3) for several tokens, so that every widened weight vector feeds three FMAs; on AVX-512F
-//! (8, 1) and (4, 6) with twice the lanes. Rayon splits
-//! the output rows into blocks; every output element is one dot product in a fixed order, so the
-//! result does not depend on the thread count, nor on the other tokens of the call.
+//! (8, 1) and (4, 6) with twice the lanes. The SIMD kernels load `2L` weights (`L` lanes) as `L`
+//! 32-bit words and widen the even columns with one shift and the odd ones with one mask, so
+//! each widened vector costs one instruction (a zero-extension and a shift before); the
+//! activations are arranged to match once per call (each `2L`-column chunk: its even columns,
+//! then its odd ones). Rayon splits the output rows into blocks; every output element is one dot
+//! product in a fixed order, so the result does not depend on the thread count, nor on the other
+//! tokens of the call.
 //!
 //! Several tokens (prefill chunks, batched decode) go through in chunks of about 256 KiB of
 //! activations, which stay in L2 while every row group of a block passes over them, and each
@@ -22,7 +26,7 @@ use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 
 use super::cpu::CpuIsa;
-use super::{round_to_i32, transpose_to_tokens};
+use super::{par_feature_blocks, round_to_i32, FeatureBlock};
 
 /// Output rows per rayon task: a block of `W` is 64 rows × 2K bytes (256 KiB at K = 2048).
 const ROW_BLOCK: usize = 64;
@@ -40,60 +44,69 @@ pub fn bf16_matmul(isa: CpuIsa, x: &[f32], m: usize, k: usize, w: &[bf16], n: us
         return Vec::new();
     }
     let bits: &[u16] = w.reinterpret_cast();
-    // Several tokens: their whole tiles interleaved once for every task to read (the SIMD
-    // kernels only).
+    // The activations in the SIMD kernels' order (whole tiles of several tokens interleaved),
+    // arranged once for every task to read.
     #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
-    let tiles: Vec<f32> = match isa {
+    let arranged: Vec<f32> = match isa {
         #[cfg(target_arch = "x86_64")]
-        CpuIsa::Avx2 if m > 1 => interleave_tiles(x, m, k, x86::LANES, x86::TILE_TOKENS),
+        CpuIsa::Avx2 => arrange_tiles(x, m, k, x86::LANES, x86::TILE_TOKENS),
         #[cfg(target_arch = "x86_64")]
-        CpuIsa::Avx512Vnni if m > 1 => {
-            interleave_tiles(x, m, k, x86_512::LANES, x86_512::TILE_TOKENS)
-        }
+        CpuIsa::Avx512Vnni => arrange_tiles(x, m, k, x86_512::LANES, x86_512::TILE_TOKENS),
         _ => Vec::new(),
     };
-    // Output transposed ([n, m]) so that each task owns a contiguous run; for m = 1 the two
-    // layouts coincide.
-    let mut yt = vec![0f32; n * m];
-    yt.par_chunks_mut(ROW_BLOCK * m)
-        .enumerate()
-        .for_each(|(b, out)| {
-            let r0 = b * ROW_BLOCK;
-            let rows = out.len() / m;
-            let w = &bits[r0 * k..(r0 + rows) * k];
-            match isa {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: checked above that the CPU supports `isa` (AVX2 + FMA at least);
-                // `tiles` holds the whole tiles of this width.
-                CpuIsa::Avx2 => unsafe { x86::rows_block(x, &tiles, m, k, w, out) },
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: as above (AVX-512F at least).
-                CpuIsa::Avx512Vnni => unsafe { x86_512::rows_block(x, &tiles, m, k, w, out) },
-                _ => rows_block_portable(x, m, k, w, out),
-            }
-        });
-    transpose_to_tokens(yt, m, n)
+    par_feature_blocks(m, n, ROW_BLOCK, |r0, out| {
+        let w = &bits[r0 * k..(r0 + out.features()) * k];
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: checked above that the CPU supports `isa` (AVX2 + FMA at least);
+            // `arranged` holds `x` arranged for this width.
+            CpuIsa::Avx2 => unsafe { x86::rows_block(&arranged, m, k, w, out) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above (AVX-512F and BW at least).
+            CpuIsa::Avx512Vnni => unsafe { x86_512::rows_block(&arranged, m, k, w, out) },
+            _ => rows_block_portable(x, m, k, w, out),
+        }
+    })
 }
 
-/// The first `m − m % tile` rows of `x [m, k]` in tiles of `tile` tokens, each tile's rows
-/// interleaved so that the SIMD kernels read one stream instead of `tile`: within a tile, the
-/// `lanes` values of token `t` at column `c` (a multiple of `lanes`) lie at `c · tile + t ·
-/// lanes`, and the columns past the last whole vector follow, token by token. Tile `j` starts at
-/// `j · tile · k`. (Rows 8 KiB apart in plain layout — K = 2048 — fall into the same L1 sets.)
+/// `x [m, k]` in the order the SIMD kernels of `lanes` lanes read: the first `m − m % tile` rows
+/// in tiles of `tile` tokens, the rest in tiles of one; tile `j` of `T` tokens starting at token
+/// `t0` lies at `t0 · k`. Within a tile, the first `k − k % 2·lanes` columns go in chunks of
+/// `2 · lanes`: chunk `q`'s even columns of token `t` (`x[t][2q·lanes + 2i]`, `i < lanes`) at
+/// `(2q · T + t) · lanes`, then its odd columns at `((2q + 1) · T + t) · lanes`, so that a tile
+/// reads one stream in the order the widened weights come; the columns past the last whole chunk
+/// follow in order, token by token. (Rows 8 KiB apart in plain layout — K = 2048 — fall into the
+/// same L1 sets.)
 #[cfg(target_arch = "x86_64")]
-fn interleave_tiles(x: &[f32], m: usize, k: usize, lanes: usize, tile: usize) -> Vec<f32> {
-    let body = k - k % lanes;
+fn arrange_tiles(x: &[f32], m: usize, k: usize, lanes: usize, tile: usize) -> Vec<f32> {
+    let pair = 2 * lanes;
+    let body = k - k % pair;
     let whole = m - m % tile;
-    let mut out = vec![0f32; whole * k];
-    for (dst, rows) in out.chunks_exact_mut(tile * k).zip(x.chunks_exact(tile * k)) {
-        let (dst_body, dst_tail) = dst.split_at_mut(body * tile);
+    let mut out = vec![0f32; m * k];
+    let arrange = |dst: &mut [f32], rows: &[f32]| {
+        let tokens = rows.len() / k;
+        let (dst_body, dst_tail) = dst.split_at_mut(body * tokens);
         for (t, row) in rows.chunks_exact(k).enumerate() {
-            for (c, v) in row[..body].chunks_exact(lanes).enumerate() {
-                dst_body[(c * tile + t) * lanes..][..lanes].copy_from_slice(v);
+            for (q, chunk) in row[..body].chunks_exact(pair).enumerate() {
+                for h in 0..2 {
+                    let at = ((2 * q + h) * tokens + t) * lanes;
+                    for (i, v) in dst_body[at..at + lanes].iter_mut().enumerate() {
+                        *v = chunk[2 * i + h];
+                    }
+                }
             }
             dst_tail[t * (k - body)..][..k - body].copy_from_slice(&row[body..]);
         }
-    }
+    };
+    let (tiled, single) = out.split_at_mut(whole * k);
+    tiled
+        .par_chunks_mut(tile * k)
+        .zip(x[..whole * k].par_chunks(tile * k))
+        .for_each(|(dst, rows)| arrange(dst, rows));
+    single
+        .par_chunks_mut(k)
+        .zip(x[whole * k..].par_chunks(k))
+        .for_each(|(dst, row)| arrange(dst, row));
     out
 }
 
@@ -116,10 +129,9 @@ fn widen(bits: u16) -> f32 {
 }
 
 /// Portable Rust: eight partial sums per dot product (which the compiler can vectorise).
-fn rows_block_portable(x: &[f32], m: usize, k: usize, w: &[u16], out: &mut [f32]) {
-    for (row, o) in w.chunks_exact(k).zip(out.chunks_exact_mut(m)) {
-        for (t, y) in o.iter_mut().enumerate() {
-            let xr = &x[t * k..(t + 1) * k];
+fn rows_block_portable(x: &[f32], m: usize, k: usize, w: &[u16], out: &mut FeatureBlock) {
+    for (r, row) in w.chunks_exact(k).enumerate() {
+        for (t, xr) in x.chunks_exact(k).take(m).enumerate() {
             let mut acc = [0f32; 8];
             let (wc, xc) = (row.chunks_exact(8), xr.chunks_exact(8));
             let (wt, xt) = (wc.remainder(), xc.remainder());
@@ -129,14 +141,16 @@ fn rows_block_portable(x: &[f32], m: usize, k: usize, w: &[u16], out: &mut [f32]
                 }
             }
             let tail: f32 = wt.iter().zip(xt).map(|(&a, &b)| widen(a) * b).sum();
-            *y = acc.iter().sum::<f32>() + tail;
+            out.set(t, r, acc.iter().sum::<f32>() + tail);
         }
     }
 }
 
 /// Defines module `$m`: `rows_block` for one x86 vector width, compiled for `$features`, from
 /// the vector operations `$ops` defines on the F32 vector `$V` of `$L` lanes: `zero`, `load_x`
-/// (F32), `load_w` (`$L` BF16 weights widened exactly by a 16-bit shift), `fma` and `hsum`.
+/// (F32), `widen_even` / `widen_odd` (of the `2 · $L` BF16 weights at a pointer, the even or the
+/// odd ones widened exactly to F32: a 16-bit shift or a mask of each 32-bit word), `fma` and
+/// `hsum`.
 /// Decode tiles are `$R1` rows × 1 token, several-token tiles `$RM` rows × `$TM` tokens (as many
 /// accumulators as the registers hold).
 macro_rules! dense_simd {
@@ -146,7 +160,7 @@ macro_rules! dense_simd {
         mod $m {
             use std::arch::x86_64::*;
 
-            use super::widen;
+            use super::{widen, FeatureBlock};
 
             $($ops)*
 
@@ -156,8 +170,8 @@ macro_rules! dense_simd {
             pub(super) const TILE_TOKENS: usize = $TM;
 
             /// `out[r][t] = w_r · x_t` for `R` weight rows starting at `w` (row stride `k`) and
-            /// one tile of `T` activation rows at `x`, interleaved as [`super::interleave_tiles`]
-            /// writes them (for `T = 1`, a plain row).
+            /// one tile of `T` activation rows at `x`, arranged as [`super::arrange_tiles`]
+            /// writes them.
             ///
             /// # Safety
             /// `R` rows of `k` elements at `w` and `T · k` elements at `x` must be readable; the
@@ -170,25 +184,47 @@ macro_rules! dense_simd {
                 k: usize,
             ) -> [[f32; T]; R] {
                 let mut acc: [[$V; T]; R] = [[zero(); T]; R];
-                let body = k - k % $L;
+                let body = k - k % (2 * $L);
                 let mut c = 0;
                 while c < body {
-                    // The tile's `T` chunks at column `c` lie next to each other.
+                    if T == 1 {
+                        // Decode: each row's words loaded once and widened both ways (16 `ymm`
+                        // registers do not hold two passes' worth on AVX2).
+                        let (even, odd) = (load_x(x.add(c)), load_x(x.add(c + $L)));
+                        for (r, a) in acc.iter_mut().enumerate() {
+                            if c % 32 == 0 {
+                                // This row's place in the next row group, into L2, once per
+                                // 64-byte line (never faults, past the end of `w` too). Tiles of
+                                // several tokens read each row group once per tile from cache.
+                                let ahead = w.wrapping_add((r + R) * k + c);
+                                crate::kernels::x86_simd::prefetch_l2(ahead as *const u8);
+                            }
+                            let p = w.add(r * k + c);
+                            a[0] = fma(widen_even(p), even, a[0]);
+                            a[0] = fma(widen_odd(p), odd, a[0]);
+                        }
+                        c += 2 * $L;
+                        continue;
+                    }
+                    // The tile's `T` chunks of even columns at column `c` lie next to each
+                    // other, then its `T` chunks of odd columns: every accumulator takes its
+                    // even then its odd product, as at decode.
                     let xv: [$V; T] = std::array::from_fn(|t| load_x(x.add(c * T + t * $L)));
                     for (r, a) in acc.iter_mut().enumerate() {
-                        if T == 1 && c % 32 == 0 {
-                            // Decode: this row's place in the next row group, into L2, once per
-                            // 64-byte line (never faults, past the end of `w` too). Tiles of
-                            // several tokens read each row group once per tile from cache.
-                            let ahead = w.wrapping_add((r + R) * k + c);
-                            crate::kernels::x86_simd::prefetch_l2(ahead as *const u8);
-                        }
-                        let wv = load_w(w.add(r * k + c));
+                        let wv = widen_even(w.add(r * k + c));
                         for (t, at) in a.iter_mut().enumerate() {
                             *at = fma(wv, xv[t], *at);
                         }
                     }
-                    c += $L;
+                    let xv: [$V; T] =
+                        std::array::from_fn(|t| load_x(x.add(c * T + (T + t) * $L)));
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let wv = widen_odd(w.add(r * k + c));
+                        for (t, at) in a.iter_mut().enumerate() {
+                            *at = fma(wv, xv[t], *at);
+                        }
+                    }
+                    c += 2 * $L;
                 }
                 let tail = x.add(body * T);
                 std::array::from_fn(|r| {
@@ -210,16 +246,18 @@ macro_rules! dense_simd {
             #[target_feature(enable = $features)]
             unsafe fn row_group<const R: usize, const T: usize>(
                 x: *const f32,
-                (m, tokens): (usize, std::ops::Range<usize>),
+                tokens: std::ops::Range<usize>,
                 k: usize,
                 w: &[u16],
                 r0: usize,
-                out: &mut [f32],
+                out: &mut FeatureBlock,
             ) {
                 let wp = w.as_ptr().add(r0 * k);
                 for t0 in tokens.step_by(T) {
                     for (r, v) in tile::<R, T>(wp, x.add(t0 * k), k).iter().enumerate() {
-                        out[(r0 + r) * m + t0..(r0 + r) * m + t0 + T].copy_from_slice(v);
+                        for (t, &y) in v.iter().enumerate() {
+                            out.set(t0 + t, r0 + r, y);
+                        }
                     }
                 }
             }
@@ -233,53 +271,50 @@ macro_rules! dense_simd {
             #[target_feature(enable = $features)]
             unsafe fn row_groups<const R: usize, const T: usize>(
                 x: *const f32,
-                (m, tokens): (usize, std::ops::Range<usize>),
+                tokens: std::ops::Range<usize>,
                 k: usize,
                 w: &[u16],
-                out: &mut [f32],
+                out: &mut FeatureBlock,
             ) {
-                let rows = out.len() / m;
+                let rows = out.features();
                 let mut r = 0;
                 while r + R <= rows {
-                    row_group::<R, T>(x, (m, tokens.clone()), k, w, r, out);
+                    row_group::<R, T>(x, tokens.clone(), k, w, r, out);
                     r += R;
                 }
                 while r < rows {
-                    row_group::<1, T>(x, (m, tokens.clone()), k, w, r, out);
+                    row_group::<1, T>(x, tokens.clone(), k, w, r, out);
                     r += 1;
                 }
             }
 
-            /// `rows_block_portable` on this vector width, with `tiles` the whole tiles of `x`
-            /// interleaved (empty for `m = 1`).
+            /// `rows_block_portable` on this vector width, with `x` arranged by
+            /// [`super::arrange_tiles`] for [`LANES`] and [`TILE_TOKENS`].
             ///
             /// # Safety
-            /// The CPU must support the target features; `x` is `[m, k]`, `tiles` holds the
-            /// first `m − m % TILE_TOKENS` rows of `x` interleaved, `w` is `[rows, k]`, `out`
-            /// `[rows, m]`.
+            /// The CPU must support the target features; `x` holds `m · k` arranged values, `w`
+            /// is `[rows, k]` for the `rows` features of `out`.
             #[target_feature(enable = $features)]
             pub(super) unsafe fn rows_block(
                 x: &[f32],
-                tiles: &[f32],
                 m: usize,
                 k: usize,
                 w: &[u16],
-                out: &mut [f32],
+                out: &mut FeatureBlock,
             ) {
-                assert!(x.len() >= m * k && out.len() * k == w.len() * m);
+                assert!(x.len() >= m * k && out.features() * k == w.len());
                 if m == 1 {
-                    return row_groups::<$R1, 1>(x.as_ptr(), (m, 0..1), k, w, out);
+                    return row_groups::<$R1, 1>(x.as_ptr(), 0..1, k, w, out);
                 }
                 let whole = m - m % $TM;
-                assert!(tiles.len() >= whole * k);
                 // Chunks of tokens whose activations stay in L2 while every row group of the
                 // block passes over them (each row group's weights stay in L1 for the chunk).
                 let chunk = super::token_chunk(4 * k, $TM);
                 for t0 in (0..whole).step_by(chunk) {
                     let tokens = t0..(t0 + chunk).min(whole);
-                    row_groups::<$RM, $TM>(tiles.as_ptr(), (m, tokens), k, w, out);
+                    row_groups::<$RM, $TM>(x.as_ptr(), tokens, k, w, out);
                 }
-                row_groups::<$RM, 1>(x.as_ptr(), (m, whole..m), k, w, out);
+                row_groups::<$RM, 1>(x.as_ptr(), whole..m, k, w, out);
             }
         }
     };
@@ -290,6 +325,8 @@ macro_rules! dense_simd {
 // registers: (4, 3) on interleaved tiles kept two accumulators on the stack and took 1.45× the
 // time of (4, 3) on plain rows; (3, 3) takes about the same: docs/cpu-results.md).
 dense_simd!(x86, "avx2,fma", __m256, 8, (8, 1), (3, 3), {
+    /// The high 16 bits of a 32-bit word: the odd column of a BF16 pair, in place as F32.
+    const HIGH_HALF: i32 = 0xFFFF_0000_u32 as i32;
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     fn zero() -> __m256 {
@@ -303,12 +340,20 @@ dense_simd!(x86, "avx2,fma", __m256, 8, (8, 1), (3, 3), {
         _mm256_loadu_ps(p)
     }
     /// # Safety
-    /// `p .. p + 8` must be readable.
+    /// `p .. p + 16` must be readable.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn load_w(p: *const u16) -> __m256 {
-        let h = _mm_loadu_si128(p as *const __m128i);
-        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+    unsafe fn widen_even(p: *const u16) -> __m256 {
+        let words = _mm256_loadu_si256(p.cast());
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(words))
+    }
+    /// # Safety
+    /// `p .. p + 16` must be readable.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn widen_odd(p: *const u16) -> __m256 {
+        let words = _mm256_loadu_si256(p.cast());
+        _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(HIGH_HALF)))
     }
     #[inline]
     #[target_feature(enable = "avx2,fma")]
@@ -323,38 +368,56 @@ dense_simd!(x86, "avx2,fma", __m256, 8, (8, 1), (3, 3), {
 });
 // AVX-512F: twice the lanes and registers: (8, 1) at decode and (4, 6) for several tokens
 // (24 accumulators), so that every widened weight vector feeds six FMAs.
-dense_simd!(x86_512, "avx512f,avx2,fma", __m512, 16, (8, 1), (4, 6), {
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn zero() -> __m512 {
-        _mm512_setzero_ps()
+dense_simd!(
+    x86_512,
+    "avx512f,avx512bw,avx2,fma",
+    __m512,
+    16,
+    (8, 1),
+    (4, 6),
+    {
+        /// The odd 16-bit elements of 32.
+        const ODD_HALVES: __mmask32 = 0xAAAA_AAAA;
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw")]
+        fn zero() -> __m512 {
+            _mm512_setzero_ps()
+        }
+        /// # Safety
+        /// `p .. p + 16` must be readable.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw")]
+        unsafe fn load_x(p: *const f32) -> __m512 {
+            _mm512_loadu_ps(p)
+        }
+        /// # Safety
+        /// `p .. p + 32` must be readable.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw")]
+        unsafe fn widen_even(p: *const u16) -> __m512 {
+            let words = _mm512_loadu_si512(p.cast());
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(words))
+        }
+        /// # Safety
+        /// `p .. p + 32` must be readable.
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw")]
+        unsafe fn widen_odd(p: *const u16) -> __m512 {
+            // A masked load (the odd 16-bit elements, zeros between): no ALU operation at all.
+            _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(ODD_HALVES, p.cast()))
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw")]
+        fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
+            _mm512_fmadd_ps(a, b, c)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw")]
+        fn hsum(v: __m512) -> f32 {
+            _mm512_reduce_add_ps(v)
+        }
     }
-    /// # Safety
-    /// `p .. p + 16` must be readable.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn load_x(p: *const f32) -> __m512 {
-        _mm512_loadu_ps(p)
-    }
-    /// # Safety
-    /// `p .. p + 16` must be readable.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn load_w(p: *const u16) -> __m512 {
-        let h = _mm256_loadu_si256(p as *const __m256i);
-        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
-        _mm512_fmadd_ps(a, b, c)
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    fn hsum(v: __m512) -> f32 {
-        _mm512_reduce_add_ps(v)
-    }
-});
+);
 
 /// Columns per INT8 scale (as GGML's Q8_0): 8.5 bits per weight with the FP16 scale.
 pub const INT8_GROUP: usize = 32;
@@ -570,51 +633,48 @@ pub fn int8_matmul(isa: CpuIsa, x: &[f32], m: usize, w: &Int8Matrix) -> Vec<f32>
         CpuIsa::Avx512Vnni => PREFILL_TILE_ROWS,
         _ => 1,
     };
-    let mut yt = vec![0f32; n * m];
-    yt.par_chunks_mut(ROW_BLOCK * m)
-        .enumerate()
-        .for_each(|(b, out)| {
-            let (r0, nr) = (b * ROW_BLOCK, out.len() / m);
-            // `rows` rows `spacing` apart from row `first` of the block.
-            let rows_at = |first: usize, rows: usize, spacing: usize| Int8Rows {
-                q: &w.q[(r0 + first) * padded..(r0 + nr) * padded],
-                scales: &w.scales[(r0 + first) * groups..(r0 + nr) * groups],
-                groups,
-                rows,
-                spacing,
-            };
-            if m == 1 {
-                // Tile `i` takes rows `i + j · tiles` of the block: sequential streams.
-                let tiles = nr / DECODE_TILE_ROWS;
-                let x = [acts.row(0)];
-                for i in 0..tiles {
-                    let w = rows_at(i, DECODE_TILE_ROWS, tiles);
-                    int8_dots(isa, &w, &x, &mut out[i..], tiles);
-                }
-                for r in tiles * DECODE_TILE_ROWS..nr {
-                    int8_dots(isa, &rows_at(r, 1, 1), &x, &mut out[r..], 1);
-                }
-                return;
+    par_feature_blocks(m, n, ROW_BLOCK, |r0, out| {
+        let nr = out.features();
+        // `rows` rows `spacing` apart from row `first` of the block.
+        let rows_at = |first: usize, rows: usize, spacing: usize| Int8Rows {
+            q: &w.q[(r0 + first) * padded..(r0 + nr) * padded],
+            scales: &w.scales[(r0 + first) * groups..(r0 + nr) * groups],
+            groups,
+            rows,
+            spacing,
+        };
+        let place = |t0, r0, spacing| OutPlace { t0, r0, spacing };
+        if m == 1 {
+            // Tile `i` takes rows `i + j · tiles` of the block: sequential streams.
+            let tiles = nr / DECODE_TILE_ROWS;
+            let x = [acts.row(0)];
+            for i in 0..tiles {
+                let w = rows_at(i, DECODE_TILE_ROWS, tiles);
+                int8_dots(isa, &w, &x, out, place(0, i, tiles));
             }
-            // Chunks of tokens whose activations stay in L2 while every row of the block passes
-            // over them.
-            let chunk = token_chunk(acts.bytes_per_token(), INT8_TOKENS);
-            for first in (0..m).step_by(chunk) {
-                let end = (first + chunk).min(m);
-                for r in (0..nr).step_by(tile_rows) {
-                    let (w, o) = (rows_at(r, tile_rows.min(nr - r), 1), &mut out[r * m..]);
-                    for t0 in (first..end).step_by(INT8_TOKENS) {
-                        let mut rows = [ActRow::default(); INT8_TOKENS];
-                        let nt = (end - t0).min(INT8_TOKENS);
-                        for (j, row) in rows.iter_mut().take(nt).enumerate() {
-                            *row = acts.row(t0 + j);
-                        }
-                        int8_dots(isa, &w, &rows[..nt], &mut o[t0..], m);
+            for r in tiles * DECODE_TILE_ROWS..nr {
+                int8_dots(isa, &rows_at(r, 1, 1), &x, out, place(0, r, 1));
+            }
+            return;
+        }
+        // Chunks of tokens whose activations stay in L2 while every row of the block passes
+        // over them.
+        let chunk = token_chunk(acts.bytes_per_token(), INT8_TOKENS);
+        for first in (0..m).step_by(chunk) {
+            let end = (first + chunk).min(m);
+            for r in (0..nr).step_by(tile_rows) {
+                let w = rows_at(r, tile_rows.min(nr - r), 1);
+                for t0 in (first..end).step_by(INT8_TOKENS) {
+                    let mut rows = [ActRow::default(); INT8_TOKENS];
+                    let nt = (end - t0).min(INT8_TOKENS);
+                    for (j, row) in rows.iter_mut().take(nt).enumerate() {
+                        *row = acts.row(t0 + j);
                     }
+                    int8_dots(isa, &w, &rows[..nt], out, place(t0, r, 1));
                 }
             }
-        });
-    transpose_to_tokens(yt, m, n)
+        }
+    })
 }
 
 /// Activation rows sharing one pass over INT8 weight rows.
@@ -663,24 +723,41 @@ impl Int8Rows<'_> {
     }
 }
 
-/// `out[r · stride + j] = Σ_g ws_r[g] · xs_j[g] · Σ_{i ∈ g} wq_r[i] · xq_j[i]` over whole
-/// groups, for the weight rows `r` of `w` and up to [`INT8_TOKENS`] activation rows `j`.
+/// Where [`int8_dots`] puts its outputs: token `t0 + j` and feature `r0 + r · spacing` of the
+/// block for tile token `j` and weight row `r`.
+#[derive(Clone, Copy)]
+struct OutPlace {
+    t0: usize,
+    r0: usize,
+    spacing: usize,
+}
+
+impl OutPlace {
+    /// Puts the output of tile row `r` and token `j` in its place.
+    #[inline]
+    fn put(self, out: &mut FeatureBlock, r: usize, j: usize, v: f32) {
+        out.set(self.t0 + j, self.r0 + r * self.spacing, v);
+    }
+}
+
+/// `Σ_g ws_r[g] · xs_j[g] · Σ_{i ∈ g} wq_r[i] · xq_j[i]` over whole groups, for the weight rows
+/// `r` of `w` and up to [`INT8_TOKENS`] activation rows `j`, put in `out` at `at`.
 #[inline]
-fn int8_dots(isa: CpuIsa, w: &Int8Rows, rows: &[ActRow], out: &mut [f32], stride: usize) {
+fn int8_dots(isa: CpuIsa, w: &Int8Rows, rows: &[ActRow], out: &mut FeatureBlock, at: OutPlace) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `int8_matmul` checked that the CPU supports `isa` (AVX2 + FMA + F16C at least).
-        CpuIsa::Avx2 => unsafe { x86_int8::dots_avx2(w, rows, out, stride) },
+        CpuIsa::Avx2 => unsafe { x86_int8::dots_avx2(w, rows, out, at) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above (AVX-512 VNNI).
-        CpuIsa::Avx512Vnni => unsafe { x86_int8::dots_vnni(w, rows, out, stride) },
+        CpuIsa::Avx512Vnni => unsafe { x86_int8::dots_vnni(w, rows, out, at) },
         _ => {
             let padded = w.groups * INT8_GROUP;
             for r in 0..w.len() {
                 let wq = &w.q[w.q_at(r, 0)..][..padded];
                 let ws = &w.scales[w.scale_at(r, 0)..][..w.groups];
                 for (j, row) in rows.iter().enumerate() {
-                    out[r * stride + j] = wq
+                    let y = wq
                         .chunks_exact(INT8_GROUP)
                         .zip(row.q.chunks_exact(INT8_GROUP))
                         .zip(ws.iter().zip(row.scales))
@@ -689,6 +766,7 @@ fn int8_dots(isa: CpuIsa, w: &Int8Rows, rows: &[ActRow], out: &mut [f32], stride
                             d as f32 * (sw.to_f32() * sx)
                         })
                         .sum();
+                    at.put(out, r, j, y);
                 }
             }
         }
@@ -713,16 +791,15 @@ mod x86_int8 {
 
     use crate::kernels::x86_simd::hsum256;
 
-    use super::{ActRow, Int8Rows, INT8_GROUP, SPLIT_PREFETCH_ROWS};
+    use super::{ActRow, FeatureBlock, Int8Rows, OutPlace, INT8_GROUP, SPLIT_PREFETCH_ROWS};
 
     /// Checks that the weight rows and `rows` hold whole groups (and their offsets when
-    /// `offsets`) and `out` every output.
-    fn check(w: &Int8Rows, rows: &[ActRow], out: &[f32], stride: usize, offsets: bool) {
+    /// `offsets`); the output checks its own places.
+    fn check(w: &Int8Rows, rows: &[ActRow], offsets: bool) {
         let (groups, n) = (w.groups, w.len());
         assert!(n >= 1 && w.q.len() >= w.q_at(n - 1, groups));
         assert!(w.scales.len() >= w.scale_at(n - 1, groups));
-        assert!(!rows.is_empty() && rows.len() <= stride);
-        assert!(out.len() >= (n - 1) * stride + rows.len());
+        assert!(!rows.is_empty());
         for r in rows {
             let ok = r.q.len() >= groups * INT8_GROUP
                 && r.scales.len() >= groups
@@ -861,8 +938,8 @@ mod x86_int8 {
     unsafe fn dots_avx2_t<const R: usize, const T: usize>(
         w: &Int8Rows,
         rows: &[ActRow],
-        out: &mut [f32],
-        stride: usize,
+        out: &mut FeatureBlock,
+        at: OutPlace,
     ) {
         let groups = w.groups;
         // The even and odd groups' accumulators: two arrays, each indexed by constants only, so
@@ -898,7 +975,7 @@ mod x86_int8 {
         }
         for r in 0..R {
             for t in 0..T {
-                out[r * stride + t] = hsum256(_mm256_add_ps(even[r][t], odd[r][t]));
+                at.put(out, r, t, hsum256(_mm256_add_ps(even[r][t], odd[r][t])));
             }
         }
     }
@@ -993,8 +1070,8 @@ mod x86_int8 {
     unsafe fn dots_vnni_t<const R: usize, const T: usize>(
         w: &Int8Rows,
         rows: &[ActRow],
-        out: &mut [f32],
-        stride: usize,
+        out: &mut FeatureBlock,
+        at: OutPlace,
     ) {
         let groups = w.groups;
         let mut acc = [[_mm512_setzero_ps(); T]; R];
@@ -1016,7 +1093,7 @@ mod x86_int8 {
         }
         for (r, acc) in acc.iter().enumerate() {
             for (t, a) in acc.iter().enumerate() {
-                out[r * stride + t] = fold_hsum(*a);
+                at.put(out, r, t, fold_hsum(*a));
             }
         }
     }
@@ -1034,12 +1111,12 @@ mod x86_int8 {
             pub(super) unsafe fn $name(
                 w: &Int8Rows,
                 rows: &[ActRow],
-                out: &mut [f32],
-                stride: usize,
+                out: &mut FeatureBlock,
+                at: OutPlace,
             ) {
-                check(w, rows, out, stride, $offsets);
+                check(w, rows, $offsets);
                 match (w.len(), rows.len()) {
-                    $(($r, $t) => $body::<$r, $t>(w, rows, out, stride),)*
+                    $(($r, $t) => $body::<$r, $t>(w, rows, out, at),)*
                     (r, t) => panic!("{r} weight rows × {t} tokens: not a tile of int8_matmul"),
                 }
             }

@@ -123,37 +123,68 @@ pub(crate) fn contiguous_slice<'a, T: candle::WithDType>(
     }
 }
 
-/// `[n, m]` row-major (one row per output feature) to `[m, n]` (one row per token); the two
-/// coincide when `m = 1`. In parallel over blocks of [`TRANSPOSE_TOKENS`] tokens, each written
-/// [`TRANSPOSE_FEATURES`] features at a time (a 16 KiB tile of `y`, read as whole 64-byte runs
-/// of `yt`): element by element with a stride of `n`, one thread took 3% of a 1024-token
-/// prefill.
-pub(crate) fn transpose_to_tokens(yt: Vec<f32>, m: usize, n: usize) -> Vec<f32> {
-    if m == 1 {
-        return yt;
-    }
+/// `y [m, n]` (one row per token) computed by parallel tasks, each owning a block of `block`
+/// output features (columns of `y`) of every token: `f(r0, &mut out)` fills features `r0 ..
+/// r0 + out.features()` through `out`, so no task's output needs a transpose afterwards.
+pub(crate) fn par_feature_blocks(
+    m: usize,
+    n: usize,
+    block: usize,
+    f: impl Fn(usize, &mut FeatureBlock) + Sync,
+) -> Vec<f32> {
     let mut y = vec![0f32; m * n];
-    y.par_chunks_mut(TRANSPOSE_TOKENS * n)
-        .enumerate()
-        .for_each(|(b, rows)| {
-            let (t0, tokens) = (b * TRANSPOSE_TOKENS, rows.len() / n);
-            for r0 in (0..n).step_by(TRANSPOSE_FEATURES) {
-                for r in r0..(r0 + TRANSPOSE_FEATURES).min(n) {
-                    let src = &yt[r * m + t0..r * m + t0 + tokens];
-                    for (t, &v) in src.iter().enumerate() {
-                        rows[t * n + r] = v;
-                    }
-                }
-            }
-        });
+    let base = SharedOut(y.as_mut_ptr());
+    (0..n.div_ceil(block)).into_par_iter().for_each(|b| {
+        let r0 = b * block;
+        let mut out = FeatureBlock {
+            y: &base,
+            m,
+            n,
+            r0,
+            features: block.min(n - r0),
+        };
+        f(r0, &mut out);
+    });
     y
 }
 
-/// Tokens per task of [`transpose_to_tokens`].
-const TRANSPOSE_TOKENS: usize = 16;
+/// The output of [`par_feature_blocks`], shared by its tasks.
+struct SharedOut(*mut f32);
 
-/// Features per tile of [`transpose_to_tokens`].
-const TRANSPOSE_FEATURES: usize = 256;
+// SAFETY: the tasks of `par_feature_blocks` write through it only via `FeatureBlock::set`, each
+// to its own features, while the vector it points into outlives them untouched otherwise.
+unsafe impl Sync for SharedOut {}
+
+/// One task's features `r0 .. r0 + features` of every token of a [`par_feature_blocks`] output.
+pub(crate) struct FeatureBlock<'a> {
+    y: &'a SharedOut,
+    m: usize,
+    n: usize,
+    r0: usize,
+    features: usize,
+}
+
+impl FeatureBlock<'_> {
+    /// How many output features this block owns.
+    pub(crate) fn features(&self) -> usize {
+        self.features
+    }
+
+    /// `y[t, r0 + r] = v`.
+    ///
+    /// # Panics
+    /// When `t ≥ m` or `r` is not one of this block's features.
+    #[inline]
+    pub(crate) fn set(&mut self, t: usize, r: usize, v: f32) {
+        assert!(
+            t < self.m && r < self.features,
+            "output ({t}, {r}) out of block"
+        );
+        // SAFETY: in bounds of `y [m, n]` (checked), and feature `r0 + r` belongs to this block
+        // alone, so no other task writes or reads the element.
+        unsafe { *self.y.0.add(t * self.n + self.r0 + r) = v }
+    }
+}
 
 /// The routed rows of one call, grouped by expert in ascending expert order.
 #[derive(Clone, Debug, PartialEq, Eq)]
