@@ -46,13 +46,11 @@ pub fn bf16_matmul(isa: CpuIsa, x: &[f32], m: usize, k: usize, w: &[bf16], n: us
     let bits: &[u16] = w.reinterpret_cast();
     // The activations in the SIMD kernels' order (whole tiles of several tokens interleaved),
     // arranged once for every task to read.
-    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
-    let arranged: Vec<f32> = match isa {
-        #[cfg(target_arch = "x86_64")]
+    #[cfg(target_arch = "x86_64")]
+    let arranged = match isa {
         CpuIsa::Avx2 => arrange_tiles(x, m, k, x86::LANES, x86::TILE_TOKENS),
-        #[cfg(target_arch = "x86_64")]
         CpuIsa::Avx512Vnni => arrange_tiles(x, m, k, x86_512::LANES, x86_512::TILE_TOKENS),
-        _ => Vec::new(),
+        CpuIsa::Scalar => CacheAligned::zeroed(0),
     };
     par_feature_blocks(m, n, ROW_BLOCK, |r0, out| {
         let w = &bits[r0 * k..(r0 + out.features()) * k];
@@ -60,16 +58,16 @@ pub fn bf16_matmul(isa: CpuIsa, x: &[f32], m: usize, k: usize, w: &[bf16], n: us
             #[cfg(target_arch = "x86_64")]
             // SAFETY: checked above that the CPU supports `isa` (AVX2 + FMA at least);
             // `arranged` holds `x` arranged for this width.
-            CpuIsa::Avx2 => unsafe { x86::rows_block(&arranged, m, k, w, out) },
+            CpuIsa::Avx2 => unsafe { x86::rows_block(arranged.as_slice(), m, k, w, out) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above (AVX-512F and BW at least).
-            CpuIsa::Avx512Vnni => unsafe { x86_512::rows_block(&arranged, m, k, w, out) },
+            CpuIsa::Avx512Vnni => unsafe { x86_512::rows_block(arranged.as_slice(), m, k, w, out) },
             _ => rows_block_portable(x, m, k, w, out),
         }
     })
 }
 
-/// `x [m, k]` in the order the SIMD kernels of `lanes` lanes read: the first `m − m % tile` rows
+/// `x [m, k]`, from a cache line's start, in the order the SIMD kernels of `lanes` lanes read: the first `m − m % tile` rows
 /// in tiles of `tile` tokens, the rest in tiles of one; tile `j` of `T` tokens starting at token
 /// `t0` lies at `t0 · k`. Within a tile, the first `k − k % 2·lanes` columns go in chunks of
 /// `2 · lanes`: chunk `q`'s even columns of token `t` (`x[t][2q·lanes + 2i]`, `i < lanes`) at
@@ -78,11 +76,12 @@ pub fn bf16_matmul(isa: CpuIsa, x: &[f32], m: usize, k: usize, w: &[bf16], n: us
 /// follow in order, token by token. (Rows 8 KiB apart in plain layout — K = 2048 — fall into the
 /// same L1 sets.)
 #[cfg(target_arch = "x86_64")]
-fn arrange_tiles(x: &[f32], m: usize, k: usize, lanes: usize, tile: usize) -> Vec<f32> {
+fn arrange_tiles(x: &[f32], m: usize, k: usize, lanes: usize, tile: usize) -> CacheAligned {
     let pair = 2 * lanes;
     let body = k - k % pair;
     let whole = m - m % tile;
-    let mut out = vec![0f32; m * k];
+    let mut arranged = CacheAligned::zeroed(m * k);
+    let out = arranged.as_mut_slice();
     let arrange = |dst: &mut [f32], rows: &[f32]| {
         let tokens = rows.len() / k;
         let (dst_body, dst_tail) = dst.split_at_mut(body * tokens);
@@ -107,7 +106,46 @@ fn arrange_tiles(x: &[f32], m: usize, k: usize, lanes: usize, tile: usize) -> Ve
         .par_chunks_mut(k)
         .zip(x[whole * k..].par_chunks(k))
         .for_each(|(dst, row)| arrange(dst, row));
-    out
+    arranged
+}
+
+#[cfg(target_arch = "x86_64")]
+/// F32 values starting at a 64-byte boundary, so that 512-bit loads of them never straddle two
+/// cache lines (a `Vec<f32>` from the allocator starts 16 bytes past one: at M = 512 the BF16
+/// kernel took 1.04–1.13× as long with its activations there).
+struct CacheAligned {
+    lines: Vec<CacheLine>,
+    len: usize,
+}
+
+/// One 64-byte cache line of F32 values.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct CacheLine([f32; 16]);
+
+#[cfg(target_arch = "x86_64")]
+impl CacheAligned {
+    /// `len` zeros.
+    fn zeroed(len: usize) -> Self {
+        Self {
+            lines: vec![CacheLine([0.0; 16]); len.div_ceil(16)],
+            len,
+        }
+    }
+
+    /// The values.
+    fn as_slice(&self) -> &[f32] {
+        // SAFETY: `lines` holds at least `len` contiguous, initialized F32 values (each line is
+        // 16 of them, with no padding).
+        unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast(), self.len) }
+    }
+
+    /// The values, to write.
+    fn as_mut_slice(&mut self) -> &mut [f32] {
+        // SAFETY: as in `as_slice`, borrowed mutably through `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast(), self.len) }
+    }
 }
 
 /// Bytes of F32 activations per token chunk of a several-token call: with the block's weights
