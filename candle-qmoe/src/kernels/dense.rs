@@ -67,9 +67,9 @@ pub fn bf16_matmul(isa: CpuIsa, x: &[f32], m: usize, k: usize, w: &[bf16], n: us
     })
 }
 
-/// `x [m, k]`, from a cache line's start, in the order the SIMD kernels of `lanes` lanes read: the first `m − m % tile` rows
-/// in tiles of `tile` tokens, the rest in tiles of one; tile `j` of `T` tokens starting at token
-/// `t0` lies at `t0 · k`. Within a tile, the first `k − k % 2·lanes` columns go in chunks of
+/// `x [m, k]`, from a cache line's start, in the order the SIMD kernels of `lanes` lanes read:
+/// the first `m − m % tile` rows in tiles of `tile` tokens, the rest in tiles of one; a tile of
+/// `T` tokens starting at token `t0` lies at `t0 · k`. Within a tile, the first `k − k % 2·lanes` columns go in chunks of
 /// `2 · lanes`: chunk `q`'s even columns of token `t` (`x[t][2q·lanes + 2i]`, `i < lanes`) at
 /// `(2q · T + t) · lanes`, then its odd columns at `((2q + 1) · T + t) · lanes`, so that a tile
 /// reads one stream in the order the widened weights come; the columns past the last whole chunk
@@ -109,10 +109,10 @@ fn arrange_tiles(x: &[f32], m: usize, k: usize, lanes: usize, tile: usize) -> Ca
     arranged
 }
 
-#[cfg(target_arch = "x86_64")]
 /// F32 values starting at a 64-byte boundary, so that 512-bit loads of them never straddle two
 /// cache lines (a `Vec<f32>` from the allocator starts 16 bytes past one: at M = 512 the BF16
 /// kernel took 1.04–1.13× as long with its activations there).
+#[cfg(target_arch = "x86_64")]
 struct CacheAligned {
     lines: Vec<CacheLine>,
     len: usize,
