@@ -21,7 +21,7 @@ use libtest_mimic::{Arguments, Trial};
 /// for the BF16 kernels, 4 for INT8), columns past the last whole vector, and more tokens than
 /// one chunk of the kernels' token blocking (about 256 KiB of activations: 30 tokens at K = 2048,
 /// 60 at K = 1000 for BF16; 60 at K = 2048 for INT8 on AVX-512).
-const MATMUL_SHAPES: [(usize, usize, usize); 11] = [
+const MATMUL_SHAPES: [(usize, usize, usize); 12] = [
     (1, 8, 1),
     (1, 2048, 200),
     (1, 1411, 67),
@@ -33,6 +33,8 @@ const MATMUL_SHAPES: [(usize, usize, usize); 11] = [
     (17, 256, 70),
     (64, 2048, 33),
     (70, 1000, 20),
+    // 1424 % 32 = 16: a whole AVX-512 vector's columns past the last even/odd chunk.
+    (7, 1424, 70),
 ];
 
 /// Random BF16 weights (std 0.02) and F32 activations of RMSNorm-ed scale with outliers.
@@ -539,7 +541,7 @@ fn attention_trials(name: &str, isa: CpuIsa) -> Vec<Trial> {
 
 /// No rows in, no rows out: a `[0, K]` or `[B, 0, K]` input (an empty batch or chunk) gives an
 /// empty `[.., N]` output from the BF16 and INT8 kernels and from `DenseLinear` on both, rather
-/// than a panic.
+/// than a panic; and `K = 0` gives zeros from the BF16 kernel.
 fn empty_input_trials(name: &str, isa: CpuIsa) -> Vec<Trial> {
     vec![Trial::test(
         format!("{name}::empty_inputs_give_empty_outputs"),
@@ -548,6 +550,8 @@ fn empty_input_trials(name: &str, isa: CpuIsa) -> Vec<Trial> {
             let (k, n) = (96, 40);
             let (_, w) = matmul_inputs(&mut Rng::new(17), 1, k, n);
             assert!(bf16_matmul(isa, &[], 0, k, &w, n).is_empty());
+            // No columns: every dot product is empty, so zero.
+            assert_eq!(bf16_matmul(isa, &[], 3, 0, &[], n), vec![0.0; 3 * n]);
             let int8 = Int8Matrix::quantize_bf16(&w, n, k);
             assert!(int8_matmul(isa, &[], 0, &int8).is_empty());
             let bf16_lin = DenseLinear::new(Tensor::from_vec(w, (n, k), &dev)?, None)?;

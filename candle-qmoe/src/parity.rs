@@ -312,6 +312,26 @@ pub struct PromptParity {
     pub router_agreement: Option<f64>,
 }
 
+/// The rows [`compare_prompt`] compares: the ids it runs through a model in one forward (the
+/// prompt, then every greedy token but the last) and the golden logits of those rows (the
+/// prompt's full forward, then each greedy step's).
+pub fn compared_rows(golden: &GoldenPrompt) -> candle::Result<(Vec<u32>, Tensor)> {
+    let steps = golden.greedy_ids.len();
+    if steps == 0 || golden.input_ids.is_empty() {
+        return Err(golden_err("a prompt needs input ids and greedy ids".into()).into());
+    }
+    let mut seq = golden.input_ids.clone();
+    seq.extend(&golden.greedy_ids[..steps - 1]);
+    let reference = Tensor::cat(
+        &[
+            golden.logits.clone(),
+            golden.greedy_step_logits.narrow(0, 1, steps - 1)?,
+        ],
+        0,
+    )?;
+    Ok((seq, reference))
+}
+
 /// Measures `model` against one golden prompt.
 ///
 /// Teacher-forced: the prompt followed by the golden greedy tokens (all but the last) goes
@@ -324,11 +344,8 @@ pub fn compare_prompt(
     model: &mut MoeForCausalLm,
     golden: &GoldenPrompt,
 ) -> candle::Result<PromptParity> {
-    let steps = golden.greedy_ids.len();
-    let len = golden.input_ids.len();
-    if steps == 0 || len == 0 {
-        return Err(golden_err("a prompt needs input ids and greedy ids".into()).into());
-    }
+    let (seq, reference) = compared_rows(golden)?;
+    let (steps, len) = (golden.greedy_ids.len(), golden.input_ids.len());
     let (golden_vocab, vocab) = (golden.logits.dim(1)?, model.spec().vocab_size);
     if golden_vocab != vocab {
         return Err(golden_err(format!(
@@ -337,15 +354,6 @@ pub fn compare_prompt(
         ))
         .into());
     }
-    let mut seq = golden.input_ids.clone();
-    seq.extend(&golden.greedy_ids[..steps - 1]);
-    let reference = Tensor::cat(
-        &[
-            golden.logits.clone(),
-            golden.greedy_step_logits.narrow(0, 1, steps - 1)?,
-        ],
-        0,
-    )?;
     model.clear_kv_cache();
     let ids = Tensor::new(seq.as_slice(), model.device())?.unsqueeze(0)?;
     let (logits, routers) = model.forward_all_with_router_logits(&ids, 0)?;

@@ -2,8 +2,8 @@
 //! (the checkpoint's own bytes) and `x`, `y` in F32, accumulated in F32.
 //!
 //! At decode (`M = 1`) the product is a matrix–vector product bounded by reading `W` once: 2
-//! bytes per weight. Each BF16 weight is widened exactly to F32 by a 16-bit shift, so the only
-//! rounding is the F32 accumulation (`|error| ≲ K · 2⁻²⁴ · Σ|x·w|`, far below BF16's own 2⁻⁹).
+//! bytes per weight. Each BF16 weight is widened exactly to F32 (a 16-bit shift or a mask of the
+//! 32-bit word holding it), so the only rounding is the F32 accumulation (`|error| ≲ K · 2⁻²⁴ · Σ|x·w|`, far below BF16's own 2⁻⁹).
 //!
 //! A tile of `R` weight rows × `T` activation rows is accumulated in registers: on AVX2 + FMA
 //! (`R`, `T`) = (8, 1) at decode, so that eight independent FMA chains hide the latency, and
@@ -43,6 +43,9 @@ pub fn bf16_matmul(isa: CpuIsa, x: &[f32], m: usize, k: usize, w: &[bf16], n: us
     if m == 0 {
         return Vec::new();
     }
+    if k == 0 {
+        return vec![0.0; m * n];
+    }
     let bits: &[u16] = w.reinterpret_cast();
     // The activations in the SIMD kernels' order (whole tiles of several tokens interleaved),
     // arranged once for every task to read.
@@ -69,9 +72,10 @@ pub fn bf16_matmul(isa: CpuIsa, x: &[f32], m: usize, k: usize, w: &[bf16], n: us
 
 /// `x [m, k]`, from a cache line's start, in the order the SIMD kernels of `lanes` lanes read:
 /// the first `m − m % tile` rows in tiles of `tile` tokens, the rest in tiles of one; a tile of
-/// `T` tokens starting at token `t0` lies at `t0 · k`. Within a tile, the first `k − k % 2·lanes` columns go in chunks of
-/// `2 · lanes`: chunk `q`'s even columns of token `t` (`x[t][2q·lanes + 2i]`, `i < lanes`) at
-/// `(2q · T + t) · lanes`, then its odd columns at `((2q + 1) · T + t) · lanes`, so that a tile
+/// `T` tokens starting at token `t0` lies at `t0 · k`. Within a tile, the first `k − k % 2·lanes`
+/// columns go in chunks of `2 · lanes`: chunk `q`'s even columns of token `t` (`x[t][2q·lanes +
+/// 2i]`, `i < lanes`) at `(2q · T + t) · lanes`, then its odd columns at `((2q + 1) · T + t) ·
+/// lanes`, so that a tile
 /// reads one stream in the order the widened weights come; the columns past the last whole chunk
 /// follow in order, token by token. (Rows 8 KiB apart in plain layout — K = 2048 — fall into the
 /// same L1 sets.)
@@ -114,7 +118,9 @@ fn arrange_tiles(x: &[f32], m: usize, k: usize, lanes: usize, tile: usize) -> Ca
 /// kernel took 1.04–1.13× as long with its activations there).
 #[cfg(target_arch = "x86_64")]
 struct CacheAligned {
+    /// The values, 16 to a line (the last line's tail unused).
     lines: Vec<CacheLine>,
+    /// How many values.
     len: usize,
 }
 
@@ -226,8 +232,9 @@ macro_rules! dense_simd {
                 let mut c = 0;
                 while c < body {
                     if T == 1 {
-                        // Decode: each row's words loaded once and widened both ways (16 `ymm`
-                        // registers do not hold two passes' worth on AVX2).
+                        // Decode: each row's chunk widened both ways in turn (on AVX2 the
+                        // compiler loads its words once; 16 `ymm` registers do not hold two
+                        // passes' worth there).
                         let (even, odd) = (load_x(x.add(c)), load_x(x.add(c + $L)));
                         for (r, a) in acc.iter_mut().enumerate() {
                             if c % 32 == 0 {
@@ -681,7 +688,7 @@ pub fn int8_matmul(isa: CpuIsa, x: &[f32], m: usize, w: &Int8Matrix) -> Vec<f32>
             rows,
             spacing,
         };
-        let place = |t0, r0, spacing| OutPlace { t0, r0, spacing };
+        let place = |t0, row, spacing| OutPlace { t0, row, spacing };
         if m == 1 {
             // Tile `i` takes rows `i + j · tiles` of the block: sequential streams.
             let tiles = nr / DECODE_TILE_ROWS;
@@ -761,12 +768,15 @@ impl Int8Rows<'_> {
     }
 }
 
-/// Where [`int8_dots`] puts its outputs: token `t0 + j` and feature `r0 + r · spacing` of the
+/// Where [`int8_dots`] puts its outputs: token `t0 + j` and feature `row + r · spacing` of the
 /// block for tile token `j` and weight row `r`.
 #[derive(Clone, Copy)]
 struct OutPlace {
+    /// The tile's first token.
     t0: usize,
-    r0: usize,
+    /// The block's feature (row of the weights) of the tile's first weight row.
+    row: usize,
+    /// Features between the tile's weight rows.
     spacing: usize,
 }
 
@@ -774,7 +784,7 @@ impl OutPlace {
     /// Puts the output of tile row `r` and token `j` in its place.
     #[inline]
     fn put(self, out: &mut FeatureBlock, r: usize, j: usize, v: f32) {
-        out.set(self.t0 + j, self.r0 + r * self.spacing, v);
+        out.set(self.t0 + j, self.row + r * self.spacing, v);
     }
 }
 
