@@ -41,8 +41,17 @@ fn fixture_tensors(name: &str) -> HashMap<String, Tensor> {
 }
 
 fn load(name: &str, cfg: &impl ModelConfig, backend: &dyn ExpertsLoader) -> MoeForCausalLm {
-    let vb =
-        unsafe { models::mmap_checkpoint(fixture_dir(name), DType::F32, &Device::Cpu) }.unwrap();
+    load_in(name, cfg, DType::F32, backend)
+}
+
+/// The fixture `name` with its weights in `dtype`.
+fn load_in(
+    name: &str,
+    cfg: &impl ModelConfig,
+    dtype: DType,
+    backend: &dyn ExpertsLoader,
+) -> MoeForCausalLm {
+    let vb = unsafe { models::mmap_checkpoint(fixture_dir(name), dtype, &Device::Cpu) }.unwrap();
     MoeForCausalLm::new(cfg, vb, backend).unwrap()
 }
 
@@ -1061,11 +1070,6 @@ fn bf16_compute_tracks_transformers() {
     for name in FIXTURES {
         let golden = golden_prompts(name);
         let cfg = AnyConfig::from_file(fixture_dir(name).join("config.json")).unwrap();
-        let load = |dtype, backend: &ExpertsBackend| {
-            let vb =
-                unsafe { models::mmap_checkpoint(fixture_dir(name), dtype, &Device::Cpu) }.unwrap();
-            MoeForCausalLm::new(&cfg, vb, backend).unwrap()
-        };
         for (backend, min_top1, max_kl, max_abs) in [
             (ExpertsBackend::Dense, 0.9, 1e-4, 0.1),
             (
@@ -1075,7 +1079,7 @@ fn bf16_compute_tracks_transformers() {
                 INT4_MAX_ABS,
             ),
         ] {
-            let mut model = load(DType::BF16, &backend);
+            let mut model = load_in(name, &cfg, DType::BF16, &backend);
             assert_eq!(model.dtype(), DType::BF16);
             let f = fidelity(&mut model, &golden, 1);
             eprintln!("{name} prompt1 bf16 {backend:?}: {}", describe(&f));
@@ -1091,7 +1095,7 @@ fn bf16_compute_tracks_transformers() {
             );
             let max_abs_diff = if backend == ExpertsBackend::Dense {
                 // The INT4 bound covers flipped experts already.
-                let mut exact = load(DType::F32, &backend);
+                let mut exact = load(name, &cfg, &backend);
                 let prompt = &golden.prompts[1];
                 let (max, flips) = max_abs_diff_where_routed_alike(&mut model, &mut exact, prompt);
                 eprintln!("{name}: routing flipped at rows {flips:?}; max |Δ| elsewhere {max:.2e}");
@@ -1225,12 +1229,7 @@ fn int8_dense_weights_track_bf16() {
     for name in FIXTURES {
         let golden = golden_prompts(name);
         let cfg = AnyConfig::from_file(fixture_dir(name).join("config.json")).unwrap();
-        let load = || {
-            let vb =
-                unsafe { models::mmap_checkpoint(fixture_dir(name), DType::BF16, &Device::Cpu) }
-                    .unwrap();
-            MoeForCausalLm::new(&cfg, vb, &ExpertsBackend::Dense).unwrap()
-        };
+        let load = || load_in(name, &cfg, DType::BF16, &ExpertsBackend::Dense);
         let mut bf16 = load();
         let mut int8 = load();
         int8.quantize_dense_int8().unwrap();
