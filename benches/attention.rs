@@ -6,12 +6,14 @@
 //! the last-level cache. Throughput is in KV-cache bytes read, so the figures compare directly
 //! with the machine's read bandwidth, and beside them a plain read of as many bytes, after the
 //! same other reads, gives the bound in the same run. A last benchmark per shape times a
-//! 128-token prefill chunk after 512 cached positions.
+//! 128-token prefill chunk after 512 cached positions. Every call is made from rayon's pool, as
+//! a model makes it.
 //!
 //! `cargo bench --bench attention`
 
 use candle_qmoe::kernels::attention::{attend, KvCache, KvDtype};
-use candle_qmoe_suite::testing::Rng;
+use candle_qmoe::pool::with_workers_awake;
+use candle_qmoe_suite::testing::{time_on_pool, Rng};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use rayon::prelude::*;
 use std::time::{Duration, Instant};
@@ -43,23 +45,26 @@ fn read_through(bytes: &[u64]) -> u64 {
 }
 
 /// The time of `iters` rounds of `call` on each layer's item, each call after reading that
-/// layer's slice of `other` (untimed).
-fn timed_after_other_reads<T>(
+/// layer's slice of `other` (untimed); made from rayon's pool with its workers awake, as a
+/// model's forward pass makes its calls.
+fn timed_after_other_reads<T: Sync>(
     iters: u64,
     per_layer: &[T],
     other: &[u64],
-    mut call: impl FnMut(&T),
+    mut call: impl FnMut(&T) + Send,
 ) -> Duration {
-    let mut timed = Duration::ZERO;
-    for _ in 0..iters {
-        for (item, between) in per_layer.iter().zip(other.chunks(BETWEEN_LAYERS_BYTES / 8)) {
-            std::hint::black_box(read_through(between));
-            let start = Instant::now();
-            call(item);
-            timed += start.elapsed();
+    with_workers_awake(|| {
+        let mut timed = Duration::ZERO;
+        for _ in 0..iters {
+            for (item, between) in per_layer.iter().zip(other.chunks(BETWEEN_LAYERS_BYTES / 8)) {
+                std::hint::black_box(read_through(between));
+                let start = Instant::now();
+                call(item);
+                timed += start.elapsed();
+            }
         }
-    }
-    timed
+        timed
+    })
 }
 
 fn bench_attention(c: &mut Criterion) {
@@ -104,7 +109,7 @@ fn bench_attention(c: &mut Criterion) {
         let q = rng.normals(s * heads * HEAD_DIM, 1.0);
         g.throughput(Throughput::Elements(s as u64));
         g.bench_function("prefill128_after_512", |b| {
-            b.iter(|| attend(&q, &layer, s, heads, scale))
+            b.iter_custom(|iters| time_on_pool(iters, || attend(&q, &layer, s, heads, scale)))
         });
         g.finish();
     }

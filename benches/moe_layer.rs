@@ -1,5 +1,6 @@
 //! Criterion benches of one MoE layer's routed experts at OLMoE and Qwen1.5-MoE shapes, decode
-//! (T = 1) and prefill (T = 128): the INT4 kernel next to Candle's dense BF16 and Q4_0 paths.
+//! (T = 1) and prefill (T = 128): the INT4 kernel next to Candle's dense BF16 and Q4_0 paths,
+//! each called from rayon's pool as a model calls it.
 //!
 //! `cargo bench --bench moe_layer` (set `QMOE_BENCH_SHAPES=olmoe` to run one shape).
 
@@ -8,6 +9,7 @@ use candle::{DType, Device, Tensor};
 use candle_qmoe::pack::{DenseExpert, ExpertNames, GroupSize, LayerPack, ScaleSearch};
 use candle_qmoe::synthetic::SyntheticKind;
 use candle_qmoe::{synthetic, DenseExperts, GgmlExperts, Int4Experts, RoutedExperts};
+use candle_qmoe_suite::testing::time_on_pool;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 
 /// The benched layer shapes: OLMoE-1B-7B and Qwen1.5-MoE-A2.7B.
@@ -60,7 +62,9 @@ fn bench_layer(c: &mut Criterion) {
             group.throughput(Throughput::Elements(t as u64));
             for (name, b) in backends {
                 group.bench_with_input(BenchmarkId::new(name, format!("T{t}")), &t, |bench, _| {
-                    bench.iter(|| b.forward(&xs, &ids, &w).unwrap())
+                    bench.iter_custom(|iters| {
+                        time_on_pool(iters, || b.forward(&xs, &ids, &w).unwrap())
+                    })
                 });
             }
         }
