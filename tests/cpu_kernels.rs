@@ -541,7 +541,7 @@ fn attention_trials(name: &str, isa: CpuIsa) -> Vec<Trial> {
 
 /// No rows in, no rows out: a `[0, K]` or `[B, 0, K]` input (an empty batch or chunk) gives an
 /// empty `[.., N]` output from the BF16 and INT8 kernels and from `DenseLinear` on both, rather
-/// than a panic; and `K = 0` gives zeros from the BF16 kernel.
+/// than a panic; and `K = 0` gives zeros from both kernels.
 fn empty_input_trials(name: &str, isa: CpuIsa) -> Vec<Trial> {
     vec![Trial::test(
         format!("{name}::empty_inputs_give_empty_outputs"),
@@ -554,6 +554,8 @@ fn empty_input_trials(name: &str, isa: CpuIsa) -> Vec<Trial> {
             assert_eq!(bf16_matmul(isa, &[], 3, 0, &[], n), vec![0.0; 3 * n]);
             let int8 = Int8Matrix::quantize_bf16(&w, n, k);
             assert!(int8_matmul(isa, &[], 0, &int8).is_empty());
+            let no_cols = Int8Matrix::quantize_bf16(&[], n, 0);
+            assert_eq!(int8_matmul(isa, &[], 3, &no_cols), vec![0.0; 3 * n]);
             let bf16_lin = DenseLinear::new(Tensor::from_vec(w, (n, k), &dev)?, None)?;
             let int8_lin = bf16_lin.to_int8()?.with_isa(isa)?;
             let bf16_lin = bf16_lin.with_isa(isa)?;
