@@ -42,6 +42,9 @@ enum Shape {
     Olmoe,
     /// Qwen1.5-MoE-A2.7B: H 2048, I 1408, 60 experts, top-4.
     Qwen,
+    /// Qwen3-30B-A3B: H 2048, I 768, 128 experts, top-8 (the down projection's rows hold 6
+    /// groups of 128, fewer than a run of 8).
+    Qwen3,
     /// H 1024, I 256, 4 experts, top-4: 1.6 MB of INT4 that every call reads whole, resident
     /// in a 2 MB L2 (in L3 where L2 is smaller): the kernels' compute rate, which sets the
     /// pace on machines whose cores, not their memory, are the limit.
@@ -57,7 +60,7 @@ impl Shape {
     /// shapes; one for the shapes that measure the compute rate from cache.
     fn default_layers(self) -> usize {
         match self {
-            Self::Olmoe | Self::Qwen => 16,
+            Self::Olmoe | Self::Qwen | Self::Qwen3 => 16,
             Self::Cached | Self::L3 => 1,
         }
     }
@@ -67,6 +70,7 @@ impl Shape {
         match self {
             Self::Olmoe => ("olmoe", SyntheticKind::Olmoe.moe_shape()),
             Self::Qwen => ("qwen1.5-moe", SyntheticKind::Qwen2Moe.moe_shape()),
+            Self::Qwen3 => ("qwen3-30b-a3b", SyntheticKind::Qwen3Moe.moe_shape()),
             Self::Cached => (
                 "cached",
                 MoeShape {

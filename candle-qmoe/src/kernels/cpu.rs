@@ -800,8 +800,10 @@ mod x86 {
     /// Whole runs of 8 groups are scaled together: each group's exact sums are folded per row
     /// and token into one vector (`vphaddd` pairs, lane `j` = group `j`), then one conversion
     /// and one multiply-add per row and token cover the 8 groups, with a row's 8 weight scales
-    /// from one F16C conversion. Remaining groups are scaled one by one, each group's exact
-    /// total in lane 0. Either way the
+    /// from one F16C conversion. A last run of fewer groups (or ending in a short group) is
+    /// scaled the same way with its missing groups' lanes zero, so group `g` always lands in
+    /// lane `g mod 8` (a Qwen3-30B-A3B down row holds 6 groups of 128; scaled one by one they
+    /// each took a whole 8-group fold). The
     /// arithmetic of a (row, token) pair does not depend on the other rows or tokens of the
     /// tile, so its output is the same alone or batched; and as every `$sums` returns 8 integer
     /// lanes with the same exact total per group, every instruction set gives the same bits.
@@ -892,27 +894,52 @@ mod x86 {
                         }
                     }
                 }
-                for gi in runs * 8..shape.groups {
-                    let (wg, xg) = group(gi);
-                    // SAFETY: as above; only the last group can be short.
-                    let acc = if (gi + 1) * CPG <= shape.chunks {
-                        $sums::<R, TB>(wg, xg, CPG)
-                    } else {
-                        $sums::<R, TB>(wg, xg, shape.chunks - gi * CPG)
-                    };
+                // The last run, of fewer than 8 groups or ending in a short group: as a whole
+                // run, its missing groups' lanes zero (sums, corrections and scales: each adds
+                // `0 · 0` to its place, which leaves it as it was).
+                let g0 = runs * 8;
+                if g0 < shape.groups {
+                    let n = shape.groups - g0;
+                    let mut sums = [[[GroupSums::zero(); 8]; TB]; R];
+                    for j in 0..n {
+                        let gi = g0 + j;
+                        let (wg, xg) = group(gi);
+                        // SAFETY: as above; only the last group can be short.
+                        let acc = if (gi + 1) * CPG <= shape.chunks {
+                            $sums::<R, TB>(wg, xg, CPG)
+                        } else {
+                            $sums::<R, TB>(wg, xg, shape.chunks - gi * CPG)
+                        };
+                        for r in 0..R {
+                            for t in 0..TB {
+                                sums[r][t][j] = acc[r][t];
+                            }
+                        }
+                    }
+                    // Lanes `0..n`: masked loads (no variable-length copies, which became
+                    // `memcpy` calls) that read nothing past the run.
+                    let mask = _mm256_cmpgt_epi32(
+                        _mm256_set1_epi32(n as i32),
+                        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                    );
                     for r in 0..R {
-                        let sw = scale_f16c(rows[r].1, gi);
+                        let mut bits = [0u16; 8];
+                        for (j, b) in bits.iter_mut().enumerate().take(n) {
+                            let at = 2 * (g0 + j);
+                            *b = u16::from_le_bytes([rows[r].1[at], rows[r].1[at + 1]]);
+                        }
+                        let ws = _mm256_cvtph_ps(_mm_loadu_si128(bits.as_ptr() as *const __m128i));
                         for t in 0..TB {
-                            let f = _mm256_set1_ps(sw * acts.scale[gi * MAX_TOKEN_BLOCK + t]);
-                            // The group's exact total in lane 0 (zeros elsewhere), as `$sums`
-                            // of different instruction sets split it differently across lanes.
-                            let corr = acts.row_corr[t * shape.groups + gi];
-                            let mut lanes = [GroupSums::zero(); 8];
-                            lanes[0] = acc[r][t];
-                            let corr = _mm256_setr_epi32(corr, 0, 0, 0, 0, 0, 0, 0);
-                            let total = _mm256_add_epi32(GroupSums::totals8(lanes), corr);
-                            let sum = _mm256_cvtepi32_ps(total);
-                            facc[r][t] = _mm256_fmadd_ps(sum, f, facc[r][t]);
+                            let at = t * shape.groups + g0;
+                            let corr = acts.row_corr.as_ptr().add(at);
+                            let xs = acts.row_scale.as_ptr().add(at);
+                            let totals = _mm256_add_epi32(
+                                GroupSums::totals8(sums[r][t]),
+                                _mm256_maskload_epi32(corr, mask),
+                            );
+                            let totals = _mm256_cvtepi32_ps(totals);
+                            let f = _mm256_mul_ps(ws, _mm256_maskload_ps(xs, mask));
+                            facc[r][t] = _mm256_fmadd_ps(totals, f, facc[r][t]);
                         }
                     }
                 }
@@ -942,7 +969,7 @@ mod x86 {
             /// One row times a block of `TB` activation rows with the tokens in lanes: per
             /// group one horizontal sum gives every token's exact total (lane `t`), scaled and
             /// accumulated into the F32 vector of the group's place in its run of 8 (the
-            /// tile's lane `g mod 8`, the last groups' lane 0). Each (group, token) element
+            /// tile's lane `g mod 8`). Each (group, token) element
             /// takes the tile's F32 operations in the tile's order, and the final sum over the
             /// 8 places follows `hsum256`'s tree, so the bits are the tile's: a token's output
             /// is the same in a block of 1 or 8. Fewer reductions per group than the tile when
@@ -975,8 +1002,6 @@ mod x86 {
                 acts: &ActBlock<$act>,
             ) -> [f32; TB] {
                 let (wp, x) = (w.as_ptr(), acts.q.as_ptr());
-                let full_groups = (shape.chunks / CPG).min(shape.groups);
-                let in_runs = full_groups / 8 * 8;
                 // `facc[j]`, lane `t`: the tile's `facc[t]`, lane `j`.
                 let mut facc = [_mm256_setzero_ps(); 8];
                 for gi in 0..shape.groups {
@@ -1002,8 +1027,7 @@ mod x86 {
                         _mm256_set1_ps(scale_f16c(s, gi)),
                         _mm256_loadu_ps(acts.scale.as_ptr().add(at)),
                     );
-                    let j = if gi < in_runs { gi % 8 } else { 0 };
-                    facc[j] = _mm256_fmadd_ps(totals, f, facc[j]);
+                    facc[gi % 8] = _mm256_fmadd_ps(totals, f, facc[gi % 8]);
                 }
                 // `hsum256`'s tree over the places: ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)).
                 let pair = |a: usize, b: usize| _mm256_add_ps(facc[a], facc[b]);

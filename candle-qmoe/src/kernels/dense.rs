@@ -613,7 +613,10 @@ impl Int8Acts {
         if m == 1 {
             // One row (decode's input): a parallel op would cost more than the row.
             quantize_row(((&mut q, &mut scales), x));
-            offsets.iter_mut().zip(q.chunks_exact(4)).for_each(offsets_of);
+            offsets
+                .iter_mut()
+                .zip(q.chunks_exact(4))
+                .for_each(offsets_of);
         } else {
             // Row by row in parallel (512 rows of 2048 columns: ~5% of the projection's time
             // on one thread).

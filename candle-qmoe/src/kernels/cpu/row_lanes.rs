@@ -13,7 +13,7 @@
 //!
 //! The arithmetic is the row tile's (`row_tile!`): each group's exact integer total (with the
 //! `−8` correction) is converted and multiplied by `weight_scale · activation_scale` into the
-//! F32 sum of its place in its run of 8 groups (the last groups' place 0), and the 8 places
+//! F32 sum of its place in its run of 8 groups (group `g` in place `g mod 8`), and the 8 places
 //! are added in `hsum256`'s tree. Every output has the bits of the other kernels, so a token's
 //! result does not depend on which kernel, block or call computed it.
 
@@ -217,8 +217,6 @@ unsafe fn slice_block<const TB: usize, const CPG: usize>(
     assert!(steps.len() >= shape.chunks * STEPS_PER_CHUNK * STEP_BYTES);
     assert!(scales.len() >= shape.groups * SLICE_ROWS);
     let (wp, xp) = (steps.as_ptr(), acts.q.as_ptr());
-    let full_groups = (shape.chunks / CPG).min(shape.groups);
-    let in_runs = full_groups / 8 * 8;
     // `places[t][j]`: token `t`'s sums of the groups in place `j` of their runs.
     let mut places = [[_mm512_setzero_ps(); 8]; TB];
     for gi in 0..shape.groups {
@@ -233,7 +231,7 @@ unsafe fn slice_block<const TB: usize, const CPG: usize>(
             group_totals::<TB>(wp, xp, c0, n, corr, ahead)
         };
         let ws = _mm512_loadu_ps(scales.as_ptr().add(gi * SLICE_ROWS));
-        let j = if gi < in_runs { gi % 8 } else { 0 };
+        let j = gi % 8;
         for (t, total) in totals.iter().enumerate() {
             let f = _mm512_mul_ps(ws, _mm512_set1_ps(acts.scale[gi * MAX_TOKEN_BLOCK + t]));
             places[t][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(*total), f, places[t][j]);
