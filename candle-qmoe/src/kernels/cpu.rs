@@ -803,7 +803,7 @@ mod x86 {
     /// from one F16C conversion. A last run of fewer groups (or ending in a short group) is
     /// scaled the same way with its missing groups' lanes zero, so group `g` always lands in
     /// lane `g mod 8` (a Qwen3-30B-A3B down row holds 6 groups of 128; scaled one by one they
-    /// each took a whole 8-group fold). The
+    /// each took their own fold, conversion and multiply-add). The
     /// arithmetic of a (row, token) pair does not depend on the other rows or tokens of the
     /// tile, so its output is the same alone or batched; and as every `$sums` returns 8 integer
     /// lanes with the same exact total per group, every instruction set gives the same bits.
