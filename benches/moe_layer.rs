@@ -3,10 +3,16 @@
 //! each called from rayon's pool as a model calls it.
 //!
 //! `cargo bench --bench moe_layer` (set `QMOE_BENCH_SHAPES=olmoe` to run one shape).
+//!
+//! `moe_layer/slab_checksum` times the first-use check of one Qwen3-30B-A3B expert slab read
+//! from memory (each call the next slab of a 2 GiB buffer): CRC-32 in one pass on the calling
+//! thread against [`candle_qmoe::pack::slab_checksum`], which hashes pieces on the pool.
 
 use candle::quantized::GgmlDType;
 use candle::{DType, Device, Tensor};
-use candle_qmoe::pack::{DenseExpert, ExpertNames, GroupSize, LayerPack, ScaleSearch};
+use candle_qmoe::pack::{
+    slab_checksum, DenseExpert, ExpertNames, GroupSize, LayerPack, ScaleSearch,
+};
 use candle_qmoe::synthetic::SyntheticKind;
 use candle_qmoe::{synthetic, DenseExperts, GgmlExperts, Int4Experts, RoutedExperts};
 use candle_qmoe_suite::testing::time_on_pool;
@@ -72,5 +78,34 @@ fn bench_layer(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench_layer);
+fn bench_slab_checksum(c: &mut Criterion) {
+    let slab = SyntheticKind::Qwen3Moe
+        .moe_shape()
+        .layout(GroupSize::default())
+        .slab_bytes();
+    let slabs = (2usize << 30) / slab;
+    let bytes: Vec<u8> = (0..slabs * slab).map(|i| (i ^ (i >> 11)) as u8).collect();
+    let mut group = c.benchmark_group("moe_layer/slab_checksum");
+    group.sample_size(10);
+    group.throughput(Throughput::Bytes(slab as u64));
+    type Checksum = fn(&[u8]) -> u32;
+    let passes: [(&str, Checksum); 2] = [
+        ("one_pass", crc32fast::hash),
+        ("pieces_on_pool", slab_checksum),
+    ];
+    for (name, checksum) in passes {
+        group.bench_function(BenchmarkId::new(name, "qwen3_slab"), |bench| {
+            bench.iter_custom(|iters| {
+                let mut next = 0;
+                time_on_pool(iters, || {
+                    next = (next + 1) % slabs;
+                    checksum(&bytes[next * slab..(next + 1) * slab])
+                })
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_layer, bench_slab_checksum);
 criterion_main!(benches);

@@ -419,6 +419,15 @@ impl ModelArgs {
         self.plan(dtype, device)
     }
 
+    /// How `--pack` is opened: read into memory with `--pack-in-memory`, memory-mapped
+    /// otherwise.
+    pub fn pack_opener(&self) -> fn(&std::path::Path) -> candle_qmoe::Result<PackFile> {
+        match self.pack_in_memory {
+            true => PackFile::open_in_memory,
+            false => PackFile::open,
+        }
+    }
+
     /// Builds the model (synthetic or from a checkpoint) on `device`, after [`Self::check`].
     pub fn load(&self, dtype: DType, device: &Device) -> Result<Loaded> {
         let plan = self.check(dtype, device)?;
@@ -800,7 +809,8 @@ fn synthetic_with_pack_file(
             "writing experts [{elapsed_precise}] {wide_bar} MoE layer {pos}/{len} ({eta} left)",
         )?)
     };
-    let synth = SyntheticModel::with_pack_file(kind, seed, group, path, &|done, total| {
+    let open = args.pack_opener();
+    let synth = SyntheticModel::with_pack_file(kind, seed, group, path, open, &|done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
     });
@@ -823,10 +833,7 @@ fn int4_pack(args: &ModelArgs, ckpt: &crate::checkpoint::Checkpoint) -> Result<P
         println!("creating the expert pack `{}`", path.display());
         crate::checkpoint::quantize_to_file_with_progress(&ckpt.dir, path, &opts)?;
     }
-    let pack = match args.pack_in_memory {
-        true => PackFile::open_in_memory(path)?,
-        false => PackFile::open(path)?,
-    };
+    let pack = args.pack_opener()(path)?;
     if args.verify {
         verify_pack(&pack)?;
     }

@@ -790,23 +790,26 @@ impl SyntheticModel {
         Self::with_pack(kind, seed, PackFile::from_layers(meta, layers)?)
     }
 
-    /// Like [`Self::new`], but the experts are memory-mapped from the `.qmoe` file `path`,
-    /// written first (one layer at a time, see [`write_pack`]; `on_layer(done, total)` after
-    /// each layer) when it does not exist. An existing file must hold exactly this kind, seed
-    /// and group size, else [`QmoeError::CorruptPack`] naming it. Only the pages of the experts
-    /// in use become resident, so a 30B-class model runs in far less memory than its pack.
+    /// Like [`Self::new`], but the experts come from the `.qmoe` file `path`, written first (one
+    /// layer at a time, see [`write_pack`]; `on_layer(done, total)` after each layer) when it
+    /// does not exist, then opened by `open`: [`PackFile::open`] memory-maps it (only the pages
+    /// of the experts in use become resident, so a 30B-class model runs in far less memory than
+    /// its pack), [`PackFile::open_in_memory`] reads it into this process. An existing file
+    /// must hold exactly this kind, seed and group size, else [`QmoeError::CorruptPack`] naming
+    /// it.
     pub fn with_pack_file(
         kind: SyntheticKind,
         seed: u64,
         group_size: GroupSize,
         path: &Path,
+        open: fn(&Path) -> crate::Result<PackFile>,
         on_layer: &dyn Fn(usize, usize),
     ) -> candle::Result<Self> {
         let (meta, _) = pack_header(kind, seed, group_size)?;
         if !path.exists() {
             write_pack(kind, seed, group_size, path, on_layer)?;
         }
-        let pack = PackFile::open(path)?;
+        let pack = open(path)?;
         let m = pack.meta();
         if m != &meta {
             return Err(QmoeError::CorruptPack {
@@ -1054,10 +1057,11 @@ mod tests {
         model.pack().save(&saved).unwrap();
         let streamed = dir.join("streamed.qmoe");
         let ticks = std::sync::Mutex::new(Vec::new());
-        let mapped = SyntheticModel::with_pack_file(kind, seed, g, &streamed, &|d, n| {
-            ticks.lock().unwrap().push((d, n))
-        })
-        .unwrap();
+        let mapped =
+            SyntheticModel::with_pack_file(kind, seed, g, &streamed, PackFile::open, &|d, n| {
+                ticks.lock().unwrap().push((d, n))
+            })
+            .unwrap();
         assert_eq!(ticks.into_inner().unwrap(), [(1, 2), (2, 2)]);
         // The same header (the metadata map's order in the JSON text may differ) and the same
         // data section, byte for byte.
@@ -1083,11 +1087,21 @@ mod tests {
         assert_eq!(mapped.pack().meta(), model.pack().meta());
         // Opened again without writing; another seed or group size is refused, naming the file.
         let never = |_: usize, _: usize| panic!("an existing pack is not written again");
-        SyntheticModel::with_pack_file(kind, seed, g, &streamed, &never).unwrap();
+        SyntheticModel::with_pack_file(kind, seed, g, &streamed, PackFile::open, &never).unwrap();
+        // Read into memory instead, through the opener given.
+        static OPENED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        fn open_counted(path: &Path) -> crate::Result<PackFile> {
+            OPENED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            PackFile::open_in_memory(path)
+        }
+        let read = SyntheticModel::with_pack_file(kind, seed, g, &streamed, open_counted, &never);
+        assert_eq!(read.unwrap().fingerprint(), model.fingerprint());
+        assert_eq!(OPENED.load(std::sync::atomic::Ordering::Relaxed), 1);
         for (seed, g) in [(4, g), (seed, GroupSize::default())] {
-            let err = SyntheticModel::with_pack_file(kind, seed, g, &streamed, &never)
-                .err()
-                .unwrap();
+            let err =
+                SyntheticModel::with_pack_file(kind, seed, g, &streamed, PackFile::open, &never)
+                    .err()
+                    .unwrap();
             let err = QmoeError::find(&err).unwrap();
             assert!(
                 matches!(err, QmoeError::CorruptPack { path, reason }
