@@ -84,7 +84,11 @@ fn bench_slab_checksum(c: &mut Criterion) {
         .layout(GroupSize::default())
         .slab_bytes();
     let slabs = (2usize << 30) / slab;
-    let bytes: Vec<u8> = (0..slabs * slab).map(|i| (i ^ (i >> 11)) as u8).collect();
+    // Filled on first use, so that a run filtered to other benches does not build 2 GiB.
+    let bytes = std::sync::OnceLock::new();
+    let bytes = || -> &Vec<u8> {
+        bytes.get_or_init(|| (0..slabs * slab).map(|i| (i ^ (i >> 11)) as u8).collect())
+    };
     let mut group = c.benchmark_group("moe_layer/slab_checksum");
     group.sample_size(10);
     group.throughput(Throughput::Bytes(slab as u64));
@@ -95,6 +99,7 @@ fn bench_slab_checksum(c: &mut Criterion) {
     ];
     for (name, checksum) in passes {
         group.bench_function(BenchmarkId::new(name, "qwen3_slab"), |bench| {
+            let bytes = bytes();
             bench.iter_custom(|iters| {
                 let mut next = 0;
                 time_on_pool(iters, || {
